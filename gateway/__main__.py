@@ -1,0 +1,4 @@
+"""`python -m gateway` is the same as the `slogate` command."""
+from gateway.cli import main
+
+raise SystemExit(main())

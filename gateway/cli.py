@@ -1,0 +1,48 @@
+"""The `slogate` command: `serve` runs the gateway, `sim` runs the built-in engine simulator."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _install_uvloop() -> None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency, but stay runnable without it
+        return
+    uvloop.install()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slogate", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gateway")
+    serve.add_argument("--config", required=True, help="TOML config file")
+    serve.add_argument("--host", help="listen address (overrides [server].host)")
+    serve.add_argument("--port", type=int, help="listen port (overrides [server].port)")
+
+    from backends.sim import cli as sim_cli
+
+    sim = sub.add_parser("sim", help="run the built-in engine simulator (OpenAI-compatible)")
+    sim.add_argument("--host", default="127.0.0.1")
+    sim.add_argument("--port", type=int, default=8000)
+    sim_cli.add_arguments(sim)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _install_uvloop()
+    if args.command == "sim":
+        from backends.sim import cli as sim_cli
+
+        sim_cli.run(sim_cli.config_from_args(args), args.host, args.port)
+        return 0
+    from gateway import server
+
+    return server.run(args.config, host=args.host, port=args.port)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""Start aiohttp apps on real loopback sockets for tests."""
+from __future__ import annotations
+
+import contextlib
+from typing import AsyncIterator
+
+from aiohttp import web
+
+
+@contextlib.asynccontextmanager
+async def serve_app(app: web.Application, host: str = "127.0.0.1") -> AsyncIterator[str]:
+    """Run `app` on an ephemeral port; yields its base URL (http://host:port)."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
