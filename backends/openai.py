@@ -1,0 +1,188 @@
+"""OpenAI-compatible backends: vLLM, SGLang, Ollama, llama.cpp server, OpenAI itself.
+
+Knows this API family's paths, how to authenticate upstream, what the client's request must
+look like upstream (usage injection), how to read its stream (what is a token, where usage and
+errors are; wire-and-telemetry.md §1.5-§1.8, §5.1) and how to write an error in its format.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.context import RequestContext
+from gateway.sse import SSEEvent
+
+# Client route -> path under the backend's base_url (which includes the /v1 prefix).
+ROUTES = {
+    "/v1/chat/completions": "/chat/completions",
+    "/v1/completions": "/completions",
+}
+OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
+
+
+def auth_headers(api_key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"}
+
+
+def prepare_request(ctx: RequestContext, body: dict[str, Any]) -> bool:
+    """Adjust the parsed body for upstream; True if it changed.
+
+    For streams we ask for usage (`stream_options.include_usage`) when the client did not, and
+    remember to strip the usage-only chunk this causes, so the client sees what it asked for.
+    """
+    if not ctx.stream:
+        return False
+    opts = body.get("stream_options")
+    if isinstance(opts, dict) and opts.get("include_usage") is True:
+        return False
+    new_opts = dict(opts) if isinstance(opts, dict) else {}
+    new_opts["include_usage"] = True
+    body["stream_options"] = new_opts
+    ctx.usage_injected = True
+    return True
+
+
+# -- errors in the client's format ---------------------------------------------------------------
+
+_STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+def error_body(status: int, message: str, code: str | None = None,
+               param: str | None = None) -> bytes:
+    """`{"error": {"message", "type", "param", "code"}}` — what the OpenAI SDKs read."""
+    return orjson.dumps({"error": {
+        "message": message,
+        "type": _STATUS_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+        "param": param,
+        "code": code,
+    }})
+
+
+def stream_error_event(message: str, code: str) -> bytes:
+    """An in-band error for a stream already committed to the client (§1.6): the SDK raises
+    APIError on a data object with a top-level `error`."""
+    return b"data: " + orjson.dumps({"error": {
+        "message": message, "type": "server_error", "param": None, "code": code,
+    }}) + b"\n\n"
+
+
+# -- reading the stream ----------------------------------------------------------------------------
+
+class StreamObserver:
+    """Reads events of a chat.completion.chunk or text_completion stream into the context.
+
+    `on_event` returns False for the one event the client must not see: the usage-only chunk
+    (`choices: []`) that exists only because the gateway asked for usage.
+    """
+
+    __slots__ = ("ctx", "chat")
+
+    def __init__(self, ctx: RequestContext) -> None:
+        self.ctx = ctx
+        self.chat = ctx.route == "/v1/chat/completions"
+
+    def on_event(self, ev: SSEEvent, t: int) -> bool:
+        ctx = self.ctx
+        ctx.events += 1
+        if not ctx.t_first_event:
+            ctx.t_first_event = t
+        data = ev.data
+        if data[:6] == b"[DONE]":
+            ctx.done = True
+            return True
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return True  # not ours to judge; the client decides what to do with it
+        if not isinstance(obj, dict):
+            return True
+        err = obj.get("error")
+        if err:
+            ctx.error_type = _error_type(err)
+            return True
+        if ctx.response_id is None:
+            ctx.response_id = obj.get("id")
+            ctx.response_model = obj.get("model")
+        usage = obj.get("usage")
+        if usage:
+            read_usage(ctx, usage)
+        choices = obj.get("choices")
+        if not choices:
+            return not (usage and ctx.usage_injected and choices == [])
+        token = visible = False
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            if self.chat:
+                delta = choice.get("delta")
+                if isinstance(delta, dict) and delta:
+                    if delta.get("content"):
+                        token = visible = True
+                    elif (delta.get("tool_calls") or delta.get("refusal")
+                          or delta.get("reasoning") or delta.get("reasoning_content")
+                          or delta.get("function_call")):
+                        token = True
+            elif choice.get("text"):
+                token = visible = True
+            reason = choice.get("finish_reason")
+            if reason:
+                ctx.finish_reasons.append(reason)
+        if token:
+            ctx.token_events += 1
+            ctx.t_last_token = t
+            if not ctx.t_first_token:
+                ctx.t_first_token = t
+            if visible and not ctx.t_first_visible:
+                ctx.t_first_visible = t
+        return True
+
+
+def _error_type(err: Any) -> str:
+    if isinstance(err, dict):
+        for key in ("type", "code"):
+            value = err.get(key)
+            if value not in (None, ""):
+                return str(value)[:64]
+    return "upstream_error"
+
+
+def read_usage(ctx: RequestContext, usage: Any) -> None:
+    if not isinstance(usage, dict):
+        return
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens")
+    if isinstance(prompt, int):
+        ctx.prompt_tokens = prompt
+    if isinstance(completion, int):
+        ctx.completion_tokens = completion
+        ctx.usage_source = "upstream"
+
+
+def observe_response(ctx: RequestContext, body: bytes) -> None:
+    """Read a non-streamed response body (id, model, usage, finish reasons)."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return
+    if not isinstance(obj, dict):
+        return
+    ctx.response_id = obj.get("id")
+    ctx.response_model = obj.get("model")
+    read_usage(ctx, obj.get("usage"))
+    choices = obj.get("choices")
+    if isinstance(choices, list):
+        for choice in choices:
+            if isinstance(choice, dict) and choice.get("finish_reason"):
+                ctx.finish_reasons.append(choice["finish_reason"])

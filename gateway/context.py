@@ -1,0 +1,148 @@
+"""The per-request context: the request's facts and its timeline of monotonic-ns stamps.
+
+Every phase writes into it; nothing else keeps per-request state. Telemetry (the log line now,
+spans and metrics later) is produced once from the finished context, so the hot path pays only
+for integer stores.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+now_ns = time.monotonic_ns
+
+# Closed vocabulary of outcomes (the log line and later the metrics use these values).
+OK = "ok"
+CLIENT_CANCELLED = "client_cancelled"
+UPSTREAM_ERROR = "upstream_error"
+UPSTREAM_TRUNCATED = "upstream_truncated"
+GATEWAY_ERROR = "gateway_error"
+REJECTED = "rejected"  # refused by the gateway before any upstream work (bad request, no backend)
+
+
+def new_request_id() -> str:
+    return os.urandom(12).hex()
+
+
+class RequestContext:
+    __slots__ = (
+        # facts
+        "request_id", "route", "model", "upstream_model", "stream", "backend",
+        "usage_injected", "status",
+        # timeline (monotonic ns; 0 = did not happen)
+        "t_received", "t_body", "t_sent", "t_headers", "t_first_event", "t_first_token",
+        "t_first_visible", "t_last_token", "t_committed", "t_end",
+        # counts and what the stream said
+        "events", "token_events", "prompt_tokens", "completion_tokens", "usage_source",
+        "finish_reasons", "response_id", "response_model", "done", "error_type",
+        "outcome", "cancel_phase",
+    )
+
+    def __init__(self, route: str) -> None:
+        self.t_received = now_ns()
+        self.request_id = new_request_id()
+        self.route = route
+        self.model: str | None = None
+        self.upstream_model: str | None = None
+        self.stream = False
+        self.backend: str | None = None
+        self.usage_injected = False
+        self.status = 0
+        self.t_body = self.t_sent = self.t_headers = self.t_first_event = 0
+        self.t_first_token = self.t_first_visible = self.t_last_token = 0
+        self.t_committed = self.t_end = 0
+        self.events = 0
+        self.token_events = 0
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+        self.usage_source: str | None = None  # "upstream" or "counted" (token events)
+        self.finish_reasons: list[str] = []
+        self.response_id: str | None = None
+        self.response_model: str | None = None
+        self.done = False  # the protocol terminator was seen
+        self.error_type: str | None = None
+        self.outcome: str | None = None
+        self.cancel_phase: str | None = None
+
+    # -- derived durations --------------------------------------------------------------------
+    def phase(self) -> str:
+        """Where the request is now: used to label a cancellation."""
+        if not self.t_sent:
+            return "queued"
+        if not self.t_first_token:
+            return "prefill"
+        return "decode"
+
+    def finish(self, outcome: str, error_type: str | None = None) -> None:
+        if self.outcome is None:
+            self.outcome = outcome
+            if error_type:
+                self.error_type = error_type
+        if not self.t_end:
+            self.t_end = now_ns()
+        if self.completion_tokens is None and self.stream and self.token_events:
+            self.completion_tokens = self.token_events
+            self.usage_source = "counted"
+
+    def durations_ms(self) -> dict[str, float]:
+        """Stage durations in ms, only for stages that happened."""
+        out: dict[str, float] = {}
+        t0 = self.t_received
+
+        def span(name: str, a: int, b: int) -> None:
+            if a and b:
+                out[name] = round((b - a) / 1e6, 3)
+
+        span("body", t0, self.t_body)
+        span("gateway", t0, self.t_sent)
+        span("upstream_headers", self.t_sent, self.t_headers)
+        span("upstream_ttft", self.t_sent, self.t_first_token)
+        span("ttft", t0, self.t_first_token)
+        span("first_event", t0, self.t_first_event)
+        span("first_visible", t0, self.t_first_visible)
+        span("decode", self.t_first_token, self.t_last_token)
+        span("final_token", t0, self.t_last_token)
+        span("e2e", t0, self.t_end)
+        tpot = self.tpot_s()
+        if tpot is not None:
+            out["tpot"] = round(tpot * 1e3, 3)
+        return out
+
+    def ttft_s(self) -> float | None:
+        if self.t_first_token:
+            return (self.t_first_token - self.t_received) / 1e9
+        return None
+
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (§1.7): decode time / (tokens - 1)."""
+        n = self.completion_tokens
+        if not (self.t_first_token and self.t_last_token and n and n > 1):
+            return None
+        return (self.t_last_token - self.t_first_token) / 1e9 / (n - 1)
+
+    def log_record(self) -> dict[str, Any]:
+        """The one JSON log line per request: stage durations and outcome, never content or
+        keys."""
+        rec: dict[str, Any] = {
+            "request_id": self.request_id,
+            "route": self.route,
+            "model": self.model,
+            "backend": self.backend,
+            "stream": self.stream,
+            "status": self.status,
+            "outcome": self.outcome,
+        }
+        if self.error_type:
+            rec["error_type"] = self.error_type
+        if self.cancel_phase:
+            rec["cancel_phase"] = self.cancel_phase
+        rec["ms"] = self.durations_ms()
+        rec["events"] = self.events
+        rec["token_events"] = self.token_events
+        rec["prompt_tokens"] = self.prompt_tokens
+        rec["completion_tokens"] = self.completion_tokens
+        rec["usage_source"] = self.usage_source
+        if self.finish_reasons:
+            rec["finish_reasons"] = self.finish_reasons
+        return rec

@@ -1,0 +1,99 @@
+"""The gateway application: routes, lifecycle, and `slogate serve`."""
+from __future__ import annotations
+
+import logging
+import sys
+
+import orjson
+from aiohttp import web
+
+from backends import openai as openai_api
+from gateway import config as config_mod
+from gateway.config import Config
+from gateway.proxy import Proxy
+from gateway.routing import Replica, Router
+
+log = logging.getLogger("slogate")
+CONFIG_KEY = web.AppKey("config", Config)
+ROUTER_KEY = web.AppKey("router", Router)
+PROXY_KEY = web.AppKey("proxy", Proxy)
+
+
+def build_app(cfg: Config) -> web.Application:
+    # The body limit is enforced by ingress (with a clear error), not by aiohttp's reader.
+    app = web.Application(client_max_size=cfg.server.max_body_bytes + 1)
+    app[CONFIG_KEY] = cfg
+
+    async def startup(app: web.Application) -> None:
+        replicas = [Replica(b, cfg.server.connect_timeout_s) for b in cfg.backends]
+        router = Router(replicas)
+        app[ROUTER_KEY] = router
+        app[PROXY_KEY] = Proxy(router, max_body_bytes=cfg.server.max_body_bytes,
+                               commit=cfg.server.commit)
+
+    async def cleanup(app: web.Application) -> None:
+        await app[ROUTER_KEY].close()
+
+    app.on_startup.append(startup)
+    app.on_cleanup.append(cleanup)
+
+    async def proxied(request: web.Request) -> web.StreamResponse:
+        return await request.app[PROXY_KEY].handle(request)
+
+    async def models(request: web.Request) -> web.Response:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "slogate"}
+                for m in request.app[ROUTER_KEY].models()]
+        return web.json_response({"object": "list", "data": data}, dumps=_dumps)
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"}, dumps=_dumps)
+
+    async def readyz(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ready"}, dumps=_dumps)
+
+    async def not_found(request: web.Request) -> web.Response:
+        return web.Response(status=404, content_type="application/json",
+                            body=openai_api.error_body(
+                                404, f"Unknown route {request.method} {request.path}.",
+                                "unknown_route"))
+
+    for path in openai_api.ROUTES:
+        app.router.add_post(path, proxied)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_route("*", "/v1/{tail:.*}", not_found)
+    return app
+
+
+def _dumps(obj: object) -> str:
+    return orjson.dumps(obj).decode()
+
+
+def setup_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access = logging.getLogger("slogate.access")
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    access.propagate = False
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def run(config_path: str, host: str | None = None, port: int | None = None) -> int:
+    setup_logging()
+    try:
+        cfg = config_mod.load(config_path)
+    except config_mod.ConfigError as e:
+        print(f"slogate: {e}", file=sys.stderr)
+        return 2
+    if not cfg.server.access_log:
+        logging.getLogger("slogate.access").setLevel(logging.WARNING)
+    host = host or cfg.server.host
+    port = cfg.server.port if port is None else port
+    app = build_app(cfg)
+    names = ", ".join(f"{b.name} ({b.base_url})" for b in cfg.backends)
+    web.run_app(app, host=host, port=port, handler_cancellation=True, access_log=None,
+                print=lambda _: log.info("slogate listening on http://%s:%d, backends: %s",
+                                         host, port, names))
+    return 0

@@ -1,0 +1,143 @@
+"""Incremental `text/event-stream` parser used as a tap on the relayed bytes.
+
+It never changes what is forwarded: it is fed each upstream read as it arrives and reports the
+events completed by that read, with the offset (within the read) just past the blank line that
+ended each event, so the relay can drop an event's bytes when it must (the injected usage chunk).
+
+Parsing follows WHATWG HTML §9.2.6: lines end with CRLF, LF or CR (a CRLF split across reads is
+one line end); `:` starts a comment; a field's value loses one leading space; `data` lines are
+joined with LF; a blank line dispatches the event if it has data; an unterminated event at EOF is
+discarded. A leading UTF-8 BOM is skipped.
+"""
+from __future__ import annotations
+
+_LF = 10
+_CR = 13
+_BOM = b"\xef\xbb\xbf"
+
+
+class SSEEvent:
+    """One dispatched event. `end` is the offset in the read that completed it, just past the
+    line terminator of its closing blank line; `start` is the offset in that read where the
+    event's first line began, or -1 when it began in an earlier read."""
+
+    __slots__ = ("event", "data", "start", "end")
+
+    def __init__(self, event: bytes | None, data: bytes, start: int, end: int) -> None:
+        self.event = event
+        self.data = data
+        self.start = start
+        self.end = end
+
+    def __repr__(self) -> str:  # pragma: no cover - debugging aid
+        return f"SSEEvent(event={self.event!r}, data={self.data[:60]!r}, end={self.end})"
+
+
+class SSEParser:
+    __slots__ = ("_parts", "_skip_lf", "_data", "_event", "_started", "comments", "hold_from")
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []  # pieces of an unterminated line
+        self._skip_lf = False  # the previous read ended with CR: a leading LF belongs to it
+        self._data: list[bytes] = []
+        self._event: bytes | None = None
+        self._started = False  # first line seen (a BOM is stripped from it)
+        self.comments = 0  # comment lines seen (keep-alive pings)
+        # After feed(): offset in that read where bytes of a not yet dispatched event (or an
+        # unterminated line) begin, -1 if they began in an earlier read, None if there are none.
+        self.hold_from: int | None = None
+
+    @property
+    def skip_lf(self) -> bool:
+        """True when the last read ended in CR, so an LF starting the next read is part of
+        the previous line terminator."""
+        return self._skip_lf
+
+    @property
+    def in_event(self) -> bool:
+        """True when bytes of an event not yet dispatched have been seen."""
+        return bool(self._parts or self._data or self._event is not None)
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        events: list[SSEEvent] = []
+        pos = 0
+        if self._skip_lf:
+            self._skip_lf = False
+            if chunk[:1] == b"\n":
+                pos = 1
+        return self._scan(chunk, pos, len(chunk), events)
+
+    def _scan(self, chunk: bytes, pos: int, n: int, events: list[SSEEvent]) -> list[SSEEvent]:
+        has_cr = b"\r" in chunk
+        find = chunk.find
+        # Start of the event (or line) in progress: -1 = it began in an earlier read.
+        start: int | None = -1 if (self._parts or self._data or self._event is not None) else None
+        while pos < n:
+            if has_cr:
+                i_lf = find(b"\n", pos)
+                i_cr = find(b"\r", pos)
+                if i_cr < 0:
+                    i = i_lf
+                elif i_lf < 0 or i_cr < i_lf:
+                    i = i_cr
+                else:
+                    i = i_lf
+            else:
+                i = find(b"\n", pos)
+            if i < 0:
+                self._parts.append(chunk[pos:] if pos else chunk)
+                if start is None:
+                    start = pos
+                break
+            line_start = pos
+            if self._parts:
+                self._parts.append(chunk[pos:i])
+                line = b"".join(self._parts)
+                self._parts.clear()
+            else:
+                line = chunk[pos:i]
+            if chunk[i] == _CR:
+                if i + 1 < n:
+                    nxt = i + 2 if chunk[i + 1] == _LF else i + 1
+                else:
+                    nxt = i + 1
+                    self._skip_lf = True
+            else:
+                nxt = i + 1
+            pos = nxt
+            if not self._started:
+                self._started = True
+                if line.startswith(_BOM):
+                    line = line[3:]
+            if line:
+                if self._line(line) and start is None:
+                    start = line_start
+            elif self._data:
+                data = b"\n".join(self._data)
+                events.append(SSEEvent(self._event, data, -1 if start is None else start, nxt))
+                self._data = []
+                self._event = None
+                start = None
+            else:
+                self._event = None
+                start = None
+        self.hold_from = start
+        return events
+
+    def _line(self, line: bytes) -> bool:
+        """Process one non-empty line; True if it is a field line (part of an event)."""
+        if line[0] == 58:  # ":" comment
+            self.comments += 1
+            return False
+        colon = line.find(b":")
+        if colon < 0:
+            name, value = line, b""
+        else:
+            name = line[:colon]
+            value = line[colon + 2 :] if line[colon + 1 : colon + 2] == b" " else line[colon + 1 :]
+        if name == b"data":
+            self._data.append(value)
+        elif name == b"event":
+            self._event = value
+        # id / retry / unknown fields: nothing to observe; their bytes pass through untouched.
+        return True

@@ -1,0 +1,4 @@
+import logging
+
+pytest_plugins: list[str] = []
+logging.getLogger("slogate.access").setLevel(logging.INFO)

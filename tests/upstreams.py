@@ -1,0 +1,49 @@
+"""Scripted upstreams for relay tests: exact bytes, exact chunking, exact timing."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Callable, Sequence
+
+from aiohttp import web
+
+Step = bytes | float  # bytes: write them (one write, flushed); float: sleep that many seconds
+
+
+def scripted_app(script: Sequence[Step] | Callable[[dict[str, Any]], Sequence[Step]], *,
+                 status: int = 200, headers: dict[str, str] | None = None,
+                 abort_at_end: bool = False) -> web.Application:
+    """An upstream answering every POST with `script` (or script(body) for each request).
+
+    Records each request's path, headers and JSON body in app["requests"]."""
+    app = web.Application()
+    requests: list[dict[str, Any]] = []
+    app["requests"] = requests
+    app["cancelled"] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        requests.append({"path": request.path, "headers": dict(request.headers), "body": body})
+        steps = script(body) if callable(script) else script
+        resp = web.StreamResponse(status=status, headers=headers or {
+            "Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for step in steps:
+                if isinstance(step, (int, float)):
+                    await asyncio.sleep(step)
+                else:
+                    await resp.write(step)
+        except (asyncio.CancelledError, ConnectionResetError):
+            app["cancelled"].append(True)
+            raise
+        if abort_at_end:
+            assert request.transport is not None
+            request.transport.abort()
+            return resp
+        await resp.write_eof()
+        return resp
+
+    app.router.add_post("/{tail:.*}", handler)
+    return app
+
+
