@@ -6,6 +6,8 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from aiohttp import web
 
+REQUESTS = web.AppKey("requests", list)
+CANCELLED = web.AppKey("cancelled", list)
 Step = bytes | float  # bytes: write them (one write, flushed); float: sleep that many seconds
 
 
@@ -14,11 +16,12 @@ def scripted_app(script: Sequence[Step] | Callable[[dict[str, Any]], Sequence[St
                  abort_at_end: bool = False) -> web.Application:
     """An upstream answering every POST with `script` (or script(body) for each request).
 
-    Records each request's path, headers and JSON body in app["requests"]."""
+    Records each request's path, headers and JSON body in app[REQUESTS], and each request
+    that the gateway abandoned (disconnect) in app[CANCELLED]."""
     app = web.Application()
     requests: list[dict[str, Any]] = []
-    app["requests"] = requests
-    app["cancelled"] = []
+    app[REQUESTS] = requests
+    app[CANCELLED] = []
 
     async def handler(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -34,7 +37,7 @@ def scripted_app(script: Sequence[Step] | Callable[[dict[str, Any]], Sequence[St
                 else:
                     await resp.write(step)
         except (asyncio.CancelledError, ConnectionResetError):
-            app["cancelled"].append(True)
+            app[CANCELLED].append(True)
             raise
         if abort_at_end:
             assert request.transport is not None
