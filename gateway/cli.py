@@ -22,6 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="listen address (overrides [server].host)")
     serve.add_argument("--port", type=int, help="listen port (overrides [server].port)")
 
+    demo = sub.add_parser("demo", help="simulator + gateway + a short load, then keep serving")
+    demo.add_argument("--duration", type=float, help="exit after this many seconds")
+    demo.add_argument("--port", type=int, default=8080, help="gateway port")
+    demo.add_argument("--sim-port", type=int, default=8000, help="simulator port")
+    demo.add_argument("--concurrency", type=int, default=8, help="concurrent client streams")
+
     from backends.sim import cli as sim_cli
 
     sim = sub.add_parser("sim", help="run the built-in engine simulator (OpenAI-compatible)")
@@ -39,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
 
         sim_cli.run(sim_cli.config_from_args(args), args.host, args.port)
         return 0
+    if args.command == "demo":
+        from gateway import demo
+
+        return demo.run(args.duration, args.port, args.sim_port, args.concurrency)
     from gateway import server
 
     return server.run(args.config, host=args.host, port=args.port)

@@ -1,0 +1,41 @@
+# slogate — two commands on a fresh machine:
+#   make demo    run the gateway in front of the built-in engine simulator, drive a short load
+#   make test    install what the tests need and run them
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DURATION ?=
+STAMP := $(VENV)/.slogate-installed
+
+.PHONY: demo test bench serve sim system-deps clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $@
+
+demo: $(STAMP)
+	$(PY) -m gateway demo $(if $(DURATION),--duration $(DURATION))
+
+# Debian packages the tests drive for real (build tools for llama.cpp now; prometheus, nginx,
+# redis-server as the features that need them land).
+system-deps:
+	bash scripts/install-system-deps.sh
+
+test: $(STAMP) system-deps
+	bash scripts/install-llamacpp.sh $(PY)
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.overhead
+
+serve: $(STAMP)
+	$(VENV)/bin/slogate serve --config gateway/examples/sim.toml
+
+sim: $(STAMP)
+	$(VENV)/bin/slogate sim
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis bench-results

@@ -1,0 +1,76 @@
+"""Config validation: errors name the key, the value and what was expected."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from gateway import config
+
+BACKEND = {"name": "a", "base_url": "http://127.0.0.1:8000/v1"}
+
+
+def test_minimal_config_defaults() -> None:
+    cfg = config.parse({"backends": [BACKEND]})
+    assert cfg.server.port == 8080 and cfg.server.commit == "first_token"
+    b = cfg.backends[0]
+    assert b.type == "openai" and b.models == ("*",) and b.pool_size == 256
+    assert b.api_key_env is None and not b.forward_client_auth
+
+
+@pytest.mark.parametrize("raw,key,fragment", [
+    ({}, "backends", "at least one"),
+    ({"backends": [BACKEND], "sever": {}}, "sever", "sections"),
+    ({"server": {"port": "80"}, "backends": [BACKEND]}, "server.port", "integer port"),
+    ({"server": {"port": 70000}, "backends": [BACKEND]}, "server.port", "integer port"),
+    ({"server": {"commit": "never"}, "backends": [BACKEND]}, "server.commit", "first_token"),
+    ({"server": {"hots": "x"}, "backends": [BACKEND]}, "server.hots", "one of the keys"),
+    ({"backends": [{"name": "a", "base_url": "localhost:8000"}]}, "backends[0].base_url", "http(s) URL"),
+    ({"backends": [{**BACKEND, "type": "grpc"}]}, "backends[0].type", "one of"),
+    ({"backends": [{**BACKEND, "models": []}]}, "backends[0].models", "list of model names"),
+    ({"backends": [{**BACKEND, "pool_size": 0}]}, "backends[0].pool_size", "positive"),
+    ({"backends": [{**BACKEND, "aliases": {"x": 1}}]}, "backends[0].aliases", "table"),
+    ({"backends": [BACKEND, BACKEND]}, "backends[1].name", "not used by another"),
+])
+def test_errors_name_key_value_and_expectation(raw, key, fragment) -> None:
+    with pytest.raises(config.ConfigError) as e:
+        config.parse(raw)
+    assert e.value.key == key
+    assert fragment in str(e.value)
+    assert key in str(e.value)
+
+
+def test_environment_overrides() -> None:
+    env = {"SLOGATE_SERVER_PORT": "9001", "SLOGATE_SERVER_COMMIT": "headers",
+           "SLOGATE_BACKEND_VLLM_A_BASE_URL": "http://10.1.2.3:8000/v1",
+           "SLOGATE_BACKEND_VLLM_A_MODELS": '["llama"]'}
+    cfg = config.parse({"backends": [{"name": "vllm-a", "base_url": "http://x:1/v1"}]}, env)
+    assert cfg.server.port == 9001 and cfg.server.commit == "headers"
+    assert cfg.backends[0].base_url == "http://10.1.2.3:8000/v1"
+    assert cfg.backends[0].models == ("llama",)
+
+
+def test_api_key_comes_from_the_named_environment_variable(monkeypatch) -> None:
+    monkeypatch.setenv("UPSTREAM_KEY_FOR_TEST", "sk-secret")
+    cfg = config.parse({"backends": [{**BACKEND, "api_key_env": "UPSTREAM_KEY_FOR_TEST"}]})
+    assert cfg.backends[0].api_key() == "sk-secret"
+    assert "sk-secret" not in repr(cfg)
+
+
+def test_serve_with_bad_config_exits_nonzero(tmp_path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text('[server]\nport = "eighty"\n[[backends]]\nname="a"\nbase_url="http://x/v1"\n')
+    proc = subprocess.run([sys.executable, "-m", "gateway", "serve", "--config", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "server.port" in proc.stderr and "'eighty'" in proc.stderr
+
+
+def test_example_config_is_valid() -> None:
+    from pathlib import Path
+
+    import gateway
+
+    cfg = config.load(str(Path(gateway.__file__).parent / "examples" / "sim.toml"), env={})
+    assert cfg.backends[0].name == "sim"
