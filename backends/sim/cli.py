@@ -1,0 +1,66 @@
+"""Command-line knobs for `slogate sim` (the caller adds --host/--port)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from aiohttp import web
+
+from .config import KNOBS, SimConfig, coerce
+from .server import build_app
+
+
+def _opt(name: str) -> str:
+    f = KNOBS[name]
+    return f.metadata.get("cli") or "--" + name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every SimConfig knob as a --kebab-case option (defaults shown are SimConfig's)."""
+    defaults = SimConfig()
+    group = parser.add_argument_group("engine simulator knobs")
+    for f in dataclasses.fields(SimConfig):
+        default = getattr(defaults, f.name)
+        help_ = f"{f.metadata.get('help', '')} (default: {default!r})".replace("%", "%%")
+        kw: dict = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_}
+        if f.type in ("bool", bool):
+            group.add_argument(_opt(f.name), action=argparse.BooleanOptionalAction, **kw)
+        elif f.type in ("list[str]",):
+            group.add_argument(_opt(f.name), action="append", metavar="NAME", **kw)
+        else:
+            if "choices" in f.metadata:
+                kw["choices"] = f.metadata["choices"]
+            group.add_argument(_opt(f.name), type=lambda v, n=f.name: _conv(n, v), **kw)
+
+
+def _conv(name: str, value: str):
+    try:
+        return coerce(name, value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    """A validated SimConfig from parsed args; knobs not given keep their defaults."""
+    vals = {name: getattr(args, name) for name in KNOBS if hasattr(args, name)}
+    if "served_model_names" in vals:  # --served-model-name a --served-model-name b,c
+        vals["served_model_names"] = [n for v in vals["served_model_names"] for n in coerce("served_model_names", v)]
+    cfg = SimConfig(**vals)
+    try:
+        cfg.validate()
+    except ValueError as e:
+        sys.exit(f"slogate sim: {e}")
+    return cfg
+
+
+def run(cfg: SimConfig, host: str, port: int) -> None:
+    """Serve the simulator until interrupted (blocking)."""
+    app = build_app(cfg)
+
+    def _print(msg: str) -> None:  # run_app prints its own banner; we print one line
+        pass
+
+    shown = "[" + host + "]" if ":" in host else host
+    print(f"slogate sim: serving {', '.join(cfg.served_model_names)} on http://{shown}:{port}", flush=True)
+    web.run_app(app, host=host, port=port, handler_cancellation=True, access_log=None, print=_print)
