@@ -34,13 +34,15 @@ class SSEEvent:
 
 
 class SSEParser:
-    __slots__ = ("_parts", "_skip_lf", "_data", "_event", "_started", "comments", "hold_from")
+    __slots__ = ("_parts", "_skip_lf", "_data", "_event", "_fields", "_started", "comments",
+                 "hold_from")
 
     def __init__(self) -> None:
         self._parts: list[bytes] = []  # pieces of an unterminated line
         self._skip_lf = False  # the previous read ended with CR: a leading LF belongs to it
         self._data: list[bytes] = []
         self._event: bytes | None = None
+        self._fields = False  # a field line (any, not only data/event) since the last blank line
         self._started = False  # first line seen (a BOM is stripped from it)
         self.comments = 0  # comment lines seen (keep-alive pings)
         # After feed(): offset in that read where bytes of a not yet dispatched event (or an
@@ -56,12 +58,12 @@ class SSEParser:
     @property
     def in_event(self) -> bool:
         """True when bytes of an event not yet dispatched have been seen."""
-        return bool(self._parts or self._data or self._event is not None)
+        return bool(self._parts or self._fields)
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         events: list[SSEEvent] = []
         pos = 0
-        if self._skip_lf:
+        if self._skip_lf and chunk:  # an empty read does not settle the pending LF
             self._skip_lf = False
             if chunk[:1] == b"\n":
                 pos = 1
@@ -70,12 +72,18 @@ class SSEParser:
     def _scan(self, chunk: bytes, pos: int, n: int, events: list[SSEEvent]) -> list[SSEEvent]:
         has_cr = b"\r" in chunk
         find = chunk.find
-        # Start of the event (or line) in progress: -1 = it began in an earlier read.
-        start: int | None = -1 if (self._parts or self._data or self._event is not None) else None
+        # Start of the event's first field line (or of an unterminated line) not yet dispatched:
+        # -1 = it began in an earlier read; None = none.
+        start: int | None = -1 if self._fields else None
+        # Next LF / CR at or after pos (-1: none left), each searched again only once passed,
+        # so a read of many LF lines with a CR near its end is not rescanned per line.
+        i_lf = i_cr = -2
         while pos < n:
             if has_cr:
-                i_lf = find(b"\n", pos)
-                i_cr = find(b"\r", pos)
+                if i_lf != -1 and i_lf < pos:
+                    i_lf = find(b"\n", pos)
+                if i_cr != -1 and i_cr < pos:
+                    i_cr = find(b"\r", pos)
                 if i_cr < 0:
                     i = i_lf
                 elif i_lf < 0 or i_cr < i_lf:
@@ -85,11 +93,11 @@ class SSEParser:
             else:
                 i = find(b"\n", pos)
             if i < 0:
-                self._parts.append(chunk[pos:] if pos else chunk)
                 if start is None:
-                    start = pos
+                    start = -1 if self._parts else pos
+                self._parts.append(chunk[pos:] if pos else chunk)
                 break
-            line_start = pos
+            line_start = -1 if self._parts else pos
             if self._parts:
                 self._parts.append(chunk[pos:i])
                 line = b"".join(self._parts)
@@ -110,16 +118,20 @@ class SSEParser:
                 if line.startswith(_BOM):
                     line = line[3:]
             if line:
-                if self._line(line) and start is None:
-                    start = line_start
+                if self._line(line):
+                    self._fields = True
+                    if start is None:
+                        start = line_start
             elif self._data:
                 data = b"\n".join(self._data)
                 events.append(SSEEvent(self._event, data, -1 if start is None else start, nxt))
                 self._data = []
                 self._event = None
+                self._fields = False
                 start = None
             else:
                 self._event = None
+                self._fields = False
                 start = None
         self.hold_from = start
         return events
