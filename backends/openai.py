@@ -118,6 +118,9 @@ class StreamObserver:
         usage = obj.get("usage")
         if usage:
             read_usage(ctx, usage)
+            read_server_timing(ctx, obj)
+        elif "x_groq" in obj or "time_info" in obj:
+            read_server_timing(ctx, obj)
         choices = obj.get("choices")
         if not choices:
             return not (usage and ctx.usage_injected and choices == [])
@@ -141,6 +144,7 @@ class StreamObserver:
                 ctx.finish_reasons.append(reason)
         if token:
             ctx.token_events += 1
+            ctx.token_ns.append(t)
             ctx.t_last_token = t
             if not ctx.t_first_token:
                 ctx.t_first_token = t
@@ -170,6 +174,40 @@ def read_usage(ctx: RequestContext, usage: Any) -> None:
         ctx.usage_source = "upstream"
 
 
+def _seconds(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    return None
+
+
+def read_server_timing(ctx: RequestContext, obj: dict[str, Any]) -> None:
+    """Stages the provider reported about itself, in seconds (wire-and-telemetry.md §10):
+    Groq `x_groq.usage` (queue_time, prompt_time, completion_time), Cerebras `time_info`
+    (same names), vLLM `metrics` (queue_time_ms; its TTFT counts from arrival, so TTFT minus
+    queue is its prefill; its generation_time_ms is not clearly decode-only, so not used)."""
+    timing = None
+    groq = obj.get("x_groq")
+    if isinstance(groq, dict) and isinstance(groq.get("usage"), dict):
+        timing = groq["usage"]
+        if ctx.completion_tokens is None:
+            read_usage(ctx, timing)
+    elif isinstance(obj.get("time_info"), dict):
+        timing = obj["time_info"]
+    if timing is not None:
+        ctx.provider_queue_s = _seconds(timing.get("queue_time"))
+        ctx.provider_prefill_s = _seconds(timing.get("prompt_time"))
+        ctx.provider_decode_s = _seconds(timing.get("completion_time"))
+        return
+    vllm = obj.get("metrics")
+    if isinstance(vllm, dict):
+        queue_ms = _seconds(vllm.get("queue_time_ms"))
+        ttft_ms = _seconds(vllm.get("time_to_first_token_ms"))
+        if queue_ms is not None:
+            ctx.provider_queue_s = queue_ms / 1e3
+            if ttft_ms is not None and ttft_ms >= queue_ms:
+                ctx.provider_prefill_s = (ttft_ms - queue_ms) / 1e3
+
+
 def observe_response(ctx: RequestContext, body: bytes) -> None:
     """Read a non-streamed response body (id, model, usage, finish reasons)."""
     try:
@@ -181,6 +219,7 @@ def observe_response(ctx: RequestContext, body: bytes) -> None:
     ctx.response_id = obj.get("id")
     ctx.response_model = obj.get("model")
     read_usage(ctx, obj.get("usage"))
+    read_server_timing(ctx, obj)
     choices = obj.get("choices")
     if isinstance(choices, list):
         for choice in choices:

@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
+from gateway.slo import DEFAULT_CLASS, SLOClass, SLOPolicy
+
 BACKEND_TYPES = ("openai",)
+OTLP_PROTOCOLS = ("http/protobuf", "grpc")
 
 
 class ConfigError(Exception):
@@ -51,6 +54,11 @@ class BackendConfig:
     api_key_env: str | None = None
     pool_size: int = 256
     forward_client_auth: bool = False
+    # Send our trace context upstream (so vLLM's span joins our trace). Off for hosted APIs:
+    # it would leak internal ids to a third party.
+    propagate_trace: bool = True
+    # gen_ai.provider.name in telemetry (e.g. "vllm", "sglang", "openai"); defaults to the type.
+    provider: str = ""
 
     @property
     def wildcard(self) -> bool:
@@ -61,9 +69,26 @@ class BackendConfig:
 
 
 @dataclass(frozen=True)
+class TelemetryConfig:
+    # OTLP endpoint for traces and metrics; empty = the standard OTEL_EXPORTER_OTLP_* variables
+    # decide, and with none of them set nothing is exported.
+    otlp_endpoint: str = ""
+    otlp_protocol: str = "http/protobuf"
+    service_name: str = "slogate"
+    traces: bool = True
+    otlp_metrics: bool = True
+    metrics_export_interval_s: float = 15.0
+    prometheus: bool = True  # GET /metrics
+    capture_content: bool = False  # prompts/completions in spans: only if the operator opts in
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig
     backends: tuple[BackendConfig, ...]
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    slo: SLOPolicy = field(default_factory=lambda: SLOPolicy(
+        classes={DEFAULT_CLASS.name: DEFAULT_CLASS}, default=DEFAULT_CLASS.name, route_classes={}))
 
 
 # -- loading -----------------------------------------------------------------------------------
@@ -81,11 +106,14 @@ def load(path: str, env: Mapping[str, str] | None = None) -> Config:
 
 def parse(raw: dict[str, Any], env: Mapping[str, str] | None = None) -> Config:
     raw = _apply_env(raw, env or {})
-    unknown = set(raw) - {"server", "backends"}
+    unknown = set(raw) - {"server", "backends", "telemetry", "slo", "slo_classes"}
     if unknown:
         key = sorted(unknown)[0]
-        raise ConfigError(key, raw[key], "one of the sections [server], [[backends]]")
+        raise ConfigError(key, raw[key], "one of the sections [server], [[backends]], "
+                          "[telemetry], [slo], [[slo_classes]]")
     server = _server(raw.get("server", {}))
+    telemetry = _telemetry(raw.get("telemetry", {}))
+    slo = _slo(raw.get("slo", {}), raw.get("slo_classes", []))
     backends_raw = raw.get("backends")
     if not isinstance(backends_raw, list) or not backends_raw:
         raise ConfigError("backends", backends_raw, "at least one [[backends]] table")
@@ -94,7 +122,7 @@ def parse(raw: dict[str, Any], env: Mapping[str, str] | None = None) -> Config:
     for i, name in enumerate(names):
         if name in names[:i]:
             raise ConfigError(f"backends[{i}].name", name, "a name not used by another backend")
-    return Config(server=server, backends=backends)
+    return Config(server=server, backends=backends, telemetry=telemetry, slo=slo)
 
 
 def _toml_value(text: str) -> Any:
@@ -110,12 +138,16 @@ def _env_name(name: str) -> str:
 
 def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
     raw = dict(raw)
-    server = dict(raw.get("server", {}))
-    for key, value in env.items():
-        if key.startswith("SLOGATE_SERVER_"):
-            server[key[len("SLOGATE_SERVER_"):].lower()] = _toml_value(value)
-    if server:
-        raw["server"] = server
+    for section in ("server", "telemetry", "slo"):
+        table = dict(raw.get(section, {})) if isinstance(raw.get(section, {}), dict) else None
+        if table is None:
+            continue
+        prefix = f"SLOGATE_{section.upper()}_"
+        for key, value in env.items():
+            if key.startswith(prefix):
+                table[key[len(prefix):].lower()] = _toml_value(value)
+        if table:
+            raw[section] = table
     if isinstance(raw.get("backends"), list):
         backends = []
         for b in raw["backends"]:
@@ -221,4 +253,88 @@ def _backend(i: int, table: Any) -> BackendConfig:
         pool_size=pool,
         forward_client_auth=_typed(where, table, "forward_client_auth", bool, False,
                                    "true or false"),
+        propagate_trace=_typed(where, table, "propagate_trace", bool, True, "true or false"),
+        provider=_typed(where, table, "provider", str, "", "a provider name such as \"vllm\"")
+        or btype,
     )
+
+
+def _telemetry(table: Any) -> TelemetryConfig:
+    if not isinstance(table, dict):
+        raise ConfigError("telemetry", table, "a table")
+    _check_keys("telemetry", table, set(TelemetryConfig.__dataclass_fields__))
+    d = TelemetryConfig()
+    endpoint = _typed("telemetry", table, "otlp_endpoint", str, d.otlp_endpoint,
+                      "an http(s) URL of an OTLP receiver, or empty")
+    if endpoint and urlsplit(endpoint).scheme not in ("http", "https"):
+        raise ConfigError("telemetry.otlp_endpoint", endpoint,
+                          "an http(s) URL such as http://127.0.0.1:4318")
+    protocol = _typed("telemetry", table, "otlp_protocol", str, d.otlp_protocol,
+                      f"one of {list(OTLP_PROTOCOLS)}")
+    if protocol not in OTLP_PROTOCOLS:
+        raise ConfigError("telemetry.otlp_protocol", protocol, f"one of {list(OTLP_PROTOCOLS)}")
+    interval = _typed("telemetry", table, "metrics_export_interval_s", float,
+                      d.metrics_export_interval_s, "a positive number of seconds")
+    if interval <= 0:
+        raise ConfigError("telemetry.metrics_export_interval_s", interval,
+                          "a positive number of seconds")
+    flag = lambda key: _typed("telemetry", table, key, bool, getattr(d, key), "true or false")
+    return TelemetryConfig(
+        otlp_endpoint=endpoint, otlp_protocol=protocol,
+        service_name=_typed("telemetry", table, "service_name", str, d.service_name,
+                            "a service name"),
+        traces=flag("traces"), otlp_metrics=flag("otlp_metrics"),
+        metrics_export_interval_s=interval, prometheus=flag("prometheus"),
+        capture_content=flag("capture_content"),
+    )
+
+
+def _positive_ms(where: str, table: dict[str, Any], key: str, required: bool) -> float | None:
+    if key not in table:
+        if required:
+            raise ConfigError(f"{where}.{key}", None, "a positive number of milliseconds")
+        return None
+    value = _typed(where, table, key, float, None, "a positive number of milliseconds")
+    if value <= 0:
+        raise ConfigError(f"{where}.{key}", value, "a positive number of milliseconds")
+    return value
+
+
+def _slo(table: Any, classes_raw: Any) -> SLOPolicy:
+    if not isinstance(table, dict):
+        raise ConfigError("slo", table, "a table")
+    _check_keys("slo", table, {"default", "route_classes", "allow_header_overrides",
+                               "min_ms", "max_ms"})
+    if not isinstance(classes_raw, list):
+        raise ConfigError("slo_classes", classes_raw, "a list of [[slo_classes]] tables")
+    classes: dict[str, SLOClass] = {}
+    for i, c in enumerate(classes_raw):
+        where = f"slo_classes[{i}]"
+        if not isinstance(c, dict):
+            raise ConfigError(where, c, "a table")
+        _check_keys(where, c, {"name", "ttft_ms", "tpot_ms", "e2e_ms", "priority"})
+        name = c.get("name")
+        if not isinstance(name, str) or not name or name in classes:
+            raise ConfigError(f"{where}.name", name, "a non-empty name not used by another class")
+        classes[name] = SLOClass(
+            name=name,
+            ttft_ms=_positive_ms(where, c, "ttft_ms", True),  # type: ignore[arg-type]
+            tpot_ms=_positive_ms(where, c, "tpot_ms", True),  # type: ignore[arg-type]
+            e2e_ms=_positive_ms(where, c, "e2e_ms", False),
+            priority=_typed(where, c, "priority", int, 0, "an integer (higher = more important)"),
+        )
+    if not classes:
+        classes = {DEFAULT_CLASS.name: DEFAULT_CLASS}
+    default = _typed("slo", table, "default", str, next(iter(classes)), "a configured class name")
+    if default not in classes:
+        raise ConfigError("slo.default", default, f"one of the classes {sorted(classes)}")
+    routes = table.get("route_classes", {})
+    if not isinstance(routes, dict) or any(v not in classes for v in routes.values()):
+        raise ConfigError("slo.route_classes", routes,
+                          f"a table of route = class name, classes: {sorted(classes)}")
+    min_ms = _positive_ms("slo", table, "min_ms", False) or 1.0
+    max_ms = _positive_ms("slo", table, "max_ms", False) or 600_000.0
+    return SLOPolicy(classes=classes, default=default, route_classes=dict(routes),
+                     min_ms=min_ms, max_ms=max_ms,
+                     allow_header_overrides=_typed("slo", table, "allow_header_overrides", bool,
+                                                   True, "true or false"))

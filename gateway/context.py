@@ -37,6 +37,10 @@ class RequestContext:
         "events", "token_events", "prompt_tokens", "completion_tokens", "usage_source",
         "finish_reasons", "response_id", "response_model", "done", "error_type",
         "outcome", "cancel_phase",
+        # telemetry inputs
+        "token_ns", "overhead_ns", "t_connect_start", "t_connect_end", "provider_queue_s",
+        "provider_prefill_s", "provider_decode_s", "slo", "verdict", "model_label",
+        "interruption", "trace", "server_address", "server_port",
     )
 
     def __init__(self, route: str) -> None:
@@ -64,6 +68,19 @@ class RequestContext:
         self.error_type: str | None = None
         self.outcome: str | None = None
         self.cancel_phase: str | None = None
+        self.token_ns: list[int] = []  # stamp of every token event (inter-token gaps)
+        self.overhead_ns = 0  # time in gateway code while relaying
+        self.t_connect_start = self.t_connect_end = 0
+        self.provider_queue_s: float | None = None  # provider-reported stages (seconds)
+        self.provider_prefill_s: float | None = None
+        self.provider_decode_s: float | None = None
+        self.slo: Any = None  # slo.SLOTarget
+        self.verdict: str | None = None
+        self.model_label = "other"  # bounded model label for metrics
+        self.interruption: str | None = None  # why a committed stream ended with an error event
+        self.trace: Any = None  # telemetry.tracing.RequestSpans when tracing is on
+        self.server_address: str | None = None
+        self.server_port: int | None = None
 
     # -- derived durations --------------------------------------------------------------------
     def phase(self) -> str:
@@ -101,13 +118,30 @@ class RequestContext:
         span("ttft", t0, self.t_first_token)
         span("first_event", t0, self.t_first_event)
         span("first_visible", t0, self.t_first_visible)
+        span("upstream_connect", self.t_connect_start, self.t_connect_end)
         span("decode", self.t_first_token, self.t_last_token)
         span("final_token", t0, self.t_last_token)
         span("e2e", t0, self.t_end)
         tpot = self.tpot_s()
         if tpot is not None:
             out["tpot"] = round(tpot * 1e3, 3)
+        for name in ("provider_queue", "provider_prefill", "provider_decode"):
+            value = getattr(self, name + "_s")
+            if value is not None:
+                out[name] = round(value * 1e3, 3)
+        if self.overhead_ns or self.t_sent:
+            out["overhead"] = round(self.overhead_s() * 1e3, 3)
         return out
+
+    def overhead_s(self) -> float:
+        """Gateway code time: ingress to upstream send, plus relaying every read."""
+        before = (self.t_sent - self.t_received) if self.t_sent else 0
+        return (before + self.overhead_ns) / 1e9
+
+    def itl_s(self) -> list[float]:
+        """Gaps between successive token events, in seconds."""
+        ts = self.token_ns
+        return [(b - a) / 1e9 for a, b in zip(ts, ts[1:])]
 
     def ttft_s(self) -> float | None:
         if self.t_first_token:
@@ -137,6 +171,14 @@ class RequestContext:
             rec["error_type"] = self.error_type
         if self.cancel_phase:
             rec["cancel_phase"] = self.cancel_phase
+        if self.interruption:
+            rec["interruption"] = self.interruption
+        if self.slo is not None:
+            rec["slo_class"] = self.slo.name
+        if self.verdict:
+            rec["verdict"] = self.verdict
+        if self.trace is not None:
+            rec["trace_id"] = self.trace.trace_id
         rec["ms"] = self.durations_ms()
         rec["events"] = self.events
         rec["token_events"] = self.token_events

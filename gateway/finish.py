@@ -1,4 +1,5 @@
-"""Finish: everything produced from the finished context (now the JSON access log line)."""
+"""Finish: everything produced once from the finished context — the SLO verdict, Prometheus
+metrics, spans, OTLP metrics and the JSON access-log line."""
 from __future__ import annotations
 
 import logging
@@ -6,10 +7,27 @@ import logging
 import orjson
 
 from gateway.context import RequestContext
+from gateway.slo import verdict
+from gateway.telemetry.otlp_metrics import OTLPMetrics
+from gateway.telemetry.prometheus import Metrics
+from gateway.telemetry.tracing import Tracing
 
 access_log = logging.getLogger("slogate.access")
 
 
-def finish(ctx: RequestContext) -> None:
-    if access_log.isEnabledFor(logging.INFO):
-        access_log.info(orjson.dumps(ctx.log_record()).decode())
+class Finisher:
+    def __init__(self, metrics: Metrics, tracing: Tracing, otlp: OTLPMetrics) -> None:
+        self.metrics = metrics
+        self.tracing = tracing
+        self.otlp = otlp
+
+    def finish(self, ctx: RequestContext, operation: str, provider: str) -> None:
+        if ctx.slo is not None and ctx.outcome is not None:
+            ctx.verdict = verdict(ctx, ctx.slo)
+        self.metrics.observe(ctx)
+        if self.tracing.enabled:
+            self.tracing.finish(ctx, operation, provider)
+        if self.otlp.enabled:
+            self.otlp.record(ctx, operation, provider)
+        if access_log.isEnabledFor(logging.INFO):
+            access_log.info(orjson.dumps(ctx.log_record()).decode())

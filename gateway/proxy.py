@@ -13,10 +13,13 @@ from gateway import ingress
 from gateway.context import (CLIENT_CANCELLED, GATEWAY_ERROR, OK, UPSTREAM_ERROR,
                              RequestContext, now_ns)
 from gateway.errors import GatewayError
-from gateway.finish import finish
+from gateway.finish import Finisher
 from gateway.headers import client_response_headers, upstream_request_headers
-from gateway.relay import ClientGone, Relay, write
+from gateway.relay import ClientGone, Relay
 from gateway.routing import Router
+from gateway.slo import SLOPolicy
+from gateway.telemetry.prometheus import Metrics
+from gateway.telemetry.tracing import Tracing
 
 REQUEST_ID_HEADER = "x-slogate-request-id"
 # Upstream error bodies are passed through; bounded so a misbehaving upstream cannot make us
@@ -25,24 +28,38 @@ MAX_ERROR_BODY = 1024 * 1024
 
 
 class Proxy:
-    def __init__(self, router: Router, *, max_body_bytes: int, commit: str) -> None:
+    def __init__(self, router: Router, finisher: Finisher, slo: SLOPolicy, *,
+                 max_body_bytes: int, commit: str) -> None:
         self.router = router
+        self.finisher = finisher
+        self.metrics: Metrics = finisher.metrics
+        self.tracing: Tracing = finisher.tracing
+        self.slo = slo
         self.max_body_bytes = max_body_bytes
         self.hold_until_first_token = commit == "first_token"
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         route = request.path
         api = openai_api
+        operation = api.OPERATIONS[route]
+        provider = "unknown"
         ctx = RequestContext(route)
         up: aiohttp.ClientResponse | None = None
+        self.metrics.in_flight.inc()
         try:
+            ctx.slo = self.slo.target_for(route, request.headers)
             body = await ingress.read_body(request, self.max_body_bytes)
             ctx.t_body = now_ns()
             parsed = ingress.parse_json(body)
             ctx.model = ingress.model_of(parsed)
+            ctx.model_label = self.router.model_label(ctx.model)
             ctx.stream = ingress.stream_of(parsed)
+            if self.tracing.enabled:
+                self.tracing.start(ctx, request.headers, operation)
             replica, upstream_model = self.router.pick(ctx.model)
             ctx.backend = replica.name
+            provider = replica.cfg.provider
+            ctx.server_address, ctx.server_port = replica.address, replica.port
             ctx.upstream_model = upstream_model
             changed = api.prepare_request(ctx, parsed)
             if upstream_model != ctx.model:
@@ -58,8 +75,10 @@ class Proxy:
                 headers.update(api.auth_headers(replica.api_key))
             url = replica.cfg.base_url + api.ROUTES[route]
             ctx.t_sent = now_ns()
+            self.tracing.upstream_attempt(ctx, headers, replica.cfg.propagate_trace)
             try:
-                up = await replica.session.post(url, data=body, headers=headers)
+                up = await replica.session.post(url, data=body, headers=headers,
+                                                trace_request_ctx=ctx)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 raise GatewayError(502, f"Backend '{replica.name}' is unreachable: "
                                    f"{type(e).__name__}.", "upstream_unreachable",
@@ -98,7 +117,8 @@ class Proxy:
                     up.release()
                 else:
                     up.close()
-            finish(ctx)
+            self.metrics.in_flight.dec()
+            self.finisher.finish(ctx, operation, provider)
 
     async def _whole(self, request: web.Request, ctx: RequestContext,
                      up: aiohttp.ClientResponse, api, extra) -> web.StreamResponse:

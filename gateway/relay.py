@@ -110,6 +110,7 @@ class Relay:
                     held = []
                 elif out:
                     held.append(out)
+                ctx.overhead_ns += now_ns() - t
         except (aiohttp.ClientError, asyncio.TimeoutError):
             ctx.error_type = "upstream_connection_lost"
         if ctx.done:
@@ -118,6 +119,8 @@ class Relay:
             if pending:
                 await write(self.client, pending)
             # An in-band error followed by [DONE] (vLLM) is still a failed request.
+            if ctx.error_type:
+                ctx.interruption = "upstream_error"
             ctx.finish(UPSTREAM_ERROR if ctx.error_type else OK)
         else:
             ctx.finish(UPSTREAM_TRUNCATED, ctx.error_type or "stream_truncated")
@@ -125,6 +128,7 @@ class Relay:
             if self.client is None:
                 raise GatewayError(502, message, "upstream_stream_truncated",
                                    outcome=UPSTREAM_TRUNCATED)
+            ctx.interruption = ctx.error_type or "stream_truncated"
             await write(self.client, self.api.stream_error_event(message, "stream_truncated"))
         try:
             await self.client.write_eof()

@@ -2,22 +2,48 @@
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 from typing import Iterator
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from gateway.config import BackendConfig
+from gateway.context import RequestContext, now_ns
 from gateway.errors import GatewayError
+
+
+async def _connect_start(session, trace_ctx: SimpleNamespace, params) -> None:
+    ctx = trace_ctx.trace_request_ctx
+    if isinstance(ctx, RequestContext):
+        ctx.t_connect_start = now_ns()
+
+
+async def _connect_end(session, trace_ctx: SimpleNamespace, params) -> None:
+    ctx = trace_ctx.trace_request_ctx
+    if isinstance(ctx, RequestContext):
+        ctx.t_connect_end = now_ns()
+
+
+def _connect_tracing() -> aiohttp.TraceConfig:
+    """Stamps new upstream connections on the request's timeline (pool reuse costs nothing)."""
+    tc = aiohttp.TraceConfig()
+    tc.on_connection_create_start.append(_connect_start)
+    tc.on_connection_create_end.append(_connect_end)
+    return tc
 
 
 class Replica:
     """One configured backend: its config and its own connection pool."""
 
-    __slots__ = ("cfg", "session", "api_key")
+    __slots__ = ("cfg", "session", "api_key", "address", "port")
 
     def __init__(self, cfg: BackendConfig, connect_timeout_s: float) -> None:
         self.cfg = cfg
         self.api_key = cfg.api_key()
+        url = urlsplit(cfg.base_url)
+        self.address = url.hostname or ""
+        self.port = url.port or (443 if url.scheme == "https" else 80)
         connector = aiohttp.TCPConnector(limit=cfg.pool_size, limit_per_host=cfg.pool_size,
                                          enable_cleanup_closed=True)
         self.session = aiohttp.ClientSession(
@@ -28,6 +54,7 @@ class Replica:
                                           sock_connect=connect_timeout_s),
             auto_decompress=True,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
+            trace_configs=[_connect_tracing()],
         )
 
     @property
@@ -42,6 +69,11 @@ class Router:
     def __init__(self, replicas: list[Replica]) -> None:
         self.replicas = replicas
         self._cycles: dict[str, Iterator[Replica]] = {}
+        self._known = frozenset(self.models())
+
+    def model_label(self, model: str) -> str:
+        """The model as a metric label: configured names only, anything else is `other`."""
+        return model if model in self._known else "other"
 
     def models(self) -> list[str]:
         """Union of the configured model names and aliases (wildcards are not listed)."""

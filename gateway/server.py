@@ -6,33 +6,52 @@ import sys
 
 import orjson
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from backends import openai as openai_api
 from gateway import config as config_mod
 from gateway.config import Config
+from gateway.finish import Finisher
 from gateway.proxy import Proxy
 from gateway.routing import Replica, Router
+from gateway.telemetry.otlp_metrics import OTLPMetrics
+from gateway.telemetry.prometheus import Metrics
+from gateway.telemetry.tracing import Tracing
 
 log = logging.getLogger("slogate")
 CONFIG_KEY = web.AppKey("config", Config)
 ROUTER_KEY = web.AppKey("router", Router)
 PROXY_KEY = web.AppKey("proxy", Proxy)
+METRICS_KEY = web.AppKey("metrics", Metrics)
+FINISHER_KEY = web.AppKey("finisher", Finisher)
 
 
-def build_app(cfg: Config) -> web.Application:
+def build_app(cfg: Config, *, tracing: Tracing | None = None,
+              otlp_metrics: OTLPMetrics | None = None) -> web.Application:
+    """The gateway app. `tracing`/`otlp_metrics` default to what the config and the standard
+    OTEL_* variables say (tests pass their own exporters)."""
     # The body limit is enforced by ingress (with a clear error), not by aiohttp's reader.
     app = web.Application(client_max_size=cfg.server.max_body_bytes + 1)
     app[CONFIG_KEY] = cfg
+    metrics = Metrics(cfg.slo.thresholds_s())
+    app[METRICS_KEY] = metrics
 
     async def startup(app: web.Application) -> None:
         replicas = [Replica(b, cfg.server.connect_timeout_s) for b in cfg.backends]
         router = Router(replicas)
         app[ROUTER_KEY] = router
-        app[PROXY_KEY] = Proxy(router, max_body_bytes=cfg.server.max_body_bytes,
+        finisher = Finisher(metrics, tracing or Tracing(cfg.telemetry),
+                            otlp_metrics or OTLPMetrics(cfg.telemetry))
+        app[FINISHER_KEY] = finisher
+        app[PROXY_KEY] = Proxy(router, finisher, cfg.slo,
+                               max_body_bytes=cfg.server.max_body_bytes,
                                commit=cfg.server.commit)
 
     async def cleanup(app: web.Application) -> None:
         await app[ROUTER_KEY].close()
+        finisher = app[FINISHER_KEY]
+        finisher.tracing.shutdown()
+        finisher.otlp.shutdown()
 
     app.on_startup.append(startup)
     app.on_cleanup.append(cleanup)
@@ -44,6 +63,10 @@ def build_app(cfg: Config) -> web.Application:
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "slogate"}
                 for m in request.app[ROUTER_KEY].models()]
         return web.json_response({"object": "list", "data": data}, dumps=_dumps)
+
+    async def prometheus(request: web.Request) -> web.Response:
+        body = generate_latest(request.app[METRICS_KEY].registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"}, dumps=_dumps)
@@ -60,6 +83,8 @@ def build_app(cfg: Config) -> web.Application:
     for path in openai_api.ROUTES:
         app.router.add_post(path, proxied)
     app.router.add_get("/v1/models", models)
+    if cfg.telemetry.prometheus:
+        app.router.add_get("/metrics", prometheus)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_route("*", "/v1/{tail:.*}", not_found)

@@ -1,0 +1,112 @@
+"""SLO classes and per-request verdicts (DistServe goodput: TTFT and TPOT met, outcome ok)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from gateway.context import OK, RequestContext
+from gateway.errors import GatewayError
+
+# Closed vocabulary of verdicts.
+MET = "met"
+TTFT_MISSED = "ttft_missed"
+TPOT_MISSED = "tpot_missed"
+BOTH_MISSED = "both_missed"
+E2E_MISSED = "e2e_missed"
+FAILED = "failed"
+VERDICTS = (MET, TTFT_MISSED, TPOT_MISSED, BOTH_MISSED, E2E_MISSED, FAILED)
+
+CLASS_HEADER = "x-slo-class"
+TTFT_HEADER = "x-slo-ttft-ms"
+TPOT_HEADER = "x-slo-tpot-ms"
+
+
+@dataclass(frozen=True)
+class SLOClass:
+    name: str
+    ttft_ms: float
+    tpot_ms: float
+    e2e_ms: float | None = None
+    priority: int = 0  # higher is more important (admission uses it)
+
+
+@dataclass(frozen=True)
+class SLOTarget:
+    """The targets one request is judged against: its class, possibly tightened or loosened by
+    request headers within the configured bounds."""
+    cls: SLOClass
+    ttft_ms: float
+    tpot_ms: float
+    e2e_ms: float | None
+
+    @property
+    def name(self) -> str:
+        return self.cls.name
+
+
+DEFAULT_CLASS = SLOClass(name="default", ttft_ms=1000.0, tpot_ms=100.0)
+
+
+@dataclass(frozen=True)
+class SLOPolicy:
+    classes: Mapping[str, SLOClass]
+    default: str
+    route_classes: Mapping[str, str]
+    # Bounds for per-request header overrides, in ms.
+    min_ms: float = 1.0
+    max_ms: float = 600_000.0
+    allow_header_overrides: bool = True
+
+    def thresholds_s(self) -> list[float]:
+        """Every configured threshold, in seconds (they must be histogram bucket bounds)."""
+        out: set[float] = set()
+        for c in self.classes.values():
+            out.update(v / 1e3 for v in (c.ttft_ms, c.tpot_ms, c.e2e_ms) if v)
+        return sorted(out)
+
+    def target_for(self, route: str, headers: Mapping[str, str]) -> SLOTarget:
+        name = self.route_classes.get(route, self.default)
+        if self.allow_header_overrides:
+            asked = headers.get(CLASS_HEADER)
+            if asked is not None:
+                if asked not in self.classes:
+                    raise GatewayError(400, f"Unknown SLO class '{asked[:64]}' in {CLASS_HEADER}; "
+                                       f"configured: {sorted(self.classes)}.", "invalid_slo_class")
+                name = asked
+        cls = self.classes[name]
+        ttft, tpot = cls.ttft_ms, cls.tpot_ms
+        if self.allow_header_overrides:
+            ttft = self._override(headers, TTFT_HEADER, ttft)
+            tpot = self._override(headers, TPOT_HEADER, tpot)
+        return SLOTarget(cls=cls, ttft_ms=ttft, tpot_ms=tpot, e2e_ms=cls.e2e_ms)
+
+    def _override(self, headers: Mapping[str, str], header: str, value: float) -> float:
+        raw = headers.get(header)
+        if raw is None:
+            return value
+        try:
+            ms = float(raw)
+        except ValueError:
+            ms = float("nan")
+        if not (self.min_ms <= ms <= self.max_ms):
+            raise GatewayError(400, f"{header} must be a number of milliseconds between "
+                               f"{self.min_ms:g} and {self.max_ms:g}.", "invalid_slo_header")
+        return ms
+
+
+def verdict(ctx: RequestContext, target: SLOTarget) -> str:
+    """A request with a single output token has no TPOT and passes that half (§9.4)."""
+    if ctx.outcome != OK:
+        return FAILED
+    ttft = ctx.ttft_s()
+    ttft_ok = ttft is not None and ttft * 1e3 <= target.ttft_ms
+    tpot = ctx.tpot_s()
+    tpot_ok = tpot is None or tpot * 1e3 <= target.tpot_ms
+    if ttft_ok and tpot_ok:
+        if target.e2e_ms is not None and ctx.t_end:
+            if (ctx.t_end - ctx.t_received) / 1e6 > target.e2e_ms:
+                return E2E_MISSED
+        return MET
+    if not ttft_ok and not tpot_ok:
+        return BOTH_MISSED
+    return TTFT_MISSED if not ttft_ok else TPOT_MISSED

@@ -1,0 +1,2 @@
+"""Telemetry produced once per request from the finished context: Prometheus metrics,
+OpenTelemetry spans and OTLP metrics."""

@@ -1,0 +1,179 @@
+"""Prometheus metrics (`GET /metrics`), names prefixed `slogate_`, in seconds.
+
+Labels are bounded: backend, model (configured names; anything else is `other`), route,
+slo_class, outcome / verdict / reason / phase / kind. Never a request id, key or tenant.
+
+Histograms are our own small implementation so a request's inter-token gaps can be added in one
+pass at the end of the request (prometheus_client's Histogram takes a lock per observation);
+the exposition is the standard classic histogram.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left
+from typing import Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from gateway.context import RequestContext
+
+# TTFT / E2E reach 600 s (reasoning models think for minutes); fine enough at the low end for
+# hosted fast engines.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6,
+                   0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0,
+                   45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.04,
+                 0.05, 0.06, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 10.0)
+OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                    0.1, 0.25, 1.0)
+
+
+class Histogram(Collector):
+    """A labelled classic histogram with a bulk `observe_many`."""
+
+    def __init__(self, name: str, doc: str, labelnames: Sequence[str],
+                 buckets: Iterable[float]) -> None:
+        self.name = name
+        self.doc = doc
+        self.labelnames = tuple(labelnames)
+        self.bounds = tuple(sorted(set(buckets)))
+        self._le = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        self._series: dict[tuple[str, ...], list] = {}  # labels -> [counts, sum]
+
+    def _get(self, labels: tuple[str, ...]) -> list:
+        s = self._series.get(labels)
+        if s is None:
+            s = self._series[labels] = [[0] * (len(self.bounds) + 1), 0.0]
+        return s
+
+    def observe(self, labels: tuple[str, ...], value: float) -> None:
+        s = self._get(labels)
+        s[0][bisect_left(self.bounds, value)] += 1
+        s[1] += value
+
+    def observe_many(self, labels: tuple[str, ...], values: Iterable[float]) -> None:
+        s = self._get(labels)
+        counts, bounds, total = s[0], self.bounds, 0.0
+        for v in values:
+            counts[bisect_left(bounds, v)] += 1
+            total += v
+        s[1] += total
+
+    def collect(self):
+        fam = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
+        for labels, (counts, total) in list(self._series.items()):
+            cum, buckets = 0, []
+            for le, c in zip(self._le, counts):
+                cum += c
+                buckets.append((le, cum))
+            fam.add_metric(list(labels), buckets, total)
+        yield fam
+
+    def describe(self):
+        yield HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
+
+
+class Metrics:
+    """Every Prometheus metric of one gateway, in its own registry."""
+
+    def __init__(self, slo_thresholds_s: Iterable[float] = ()) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        thresholds = tuple(slo_thresholds_s)
+        lat = LATENCY_BUCKETS + thresholds
+        tok = TOKEN_BUCKETS + thresholds
+        base = ("backend", "model", "route")
+        slo = base + ("slo_class",)
+
+        def hist(name: str, doc: str, labels: Sequence[str], buckets: Iterable[float]) -> Histogram:
+            h = Histogram(f"slogate_{name}", doc, labels, buckets)
+            self.registry.register(h)
+            return h
+
+        self.ttft = hist("time_to_first_token_seconds",
+                         "Time from request received to first generated token (content, "
+                         "reasoning or tool call; not role chunks or pings).", slo, lat)
+        self.tpot = hist("time_per_output_token_seconds",
+                         "Per request: (last token - first token) / (output tokens - 1).", slo, tok)
+        self.itl = hist("inter_token_latency_seconds",
+                        "Gap between successive token events of a stream (one per gap).", base, tok)
+        self.duration = hist("request_duration_seconds",
+                             "Time from request received to the end of the response.", slo, lat)
+        self.gateway_queue = hist("gateway_queue_seconds",
+                                  "Time from request received to upstream request sent.", base, lat)
+        self.connect = hist("upstream_connect_seconds",
+                            "Time to open a new upstream connection (pooled reuse not counted).",
+                            base, lat)
+        self.headers = hist("upstream_headers_seconds",
+                            "Time from upstream request sent to upstream response headers.",
+                            base, lat)
+        self.provider_queue = hist("provider_queue_seconds",
+                                   "Queue time reported by the provider (Groq, Cerebras, vLLM).",
+                                   base, lat)
+        self.provider_prefill = hist("provider_prefill_seconds",
+                                     "Prefill (prompt) time reported by the provider.", base, lat)
+        self.provider_decode = hist("provider_decode_seconds",
+                                    "Decode (completion) time reported by the provider.", base, lat)
+        self.overhead = hist("gateway_overhead_seconds",
+                             "Time spent in gateway code for a request (ingress to upstream send, "
+                             "plus relaying each read).", base, OVERHEAD_BUCKETS)
+        self.requests = Counter("slogate_requests", "Finished requests by outcome.",
+                                base + ("outcome",), registry=self.registry)
+        self.tokens = Counter("slogate_tokens", "Tokens by kind (prompt, completion).",
+                              base + ("kind",), registry=self.registry)
+        self.slo_requests = Counter("slogate_slo_requests",
+                                    "Finished requests by SLO verdict (met = goodput).",
+                                    ("backend", "model", "route", "slo_class", "verdict"),
+                                    registry=self.registry)
+        self.cancellations = Counter("slogate_cancellations",
+                                     "Client disconnects by the phase they happened in.",
+                                     base + ("phase",), registry=self.registry)
+        self.interruptions = Counter("slogate_stream_interruptions",
+                                     "Committed streams that ended with an error event.",
+                                     base + ("reason",), registry=self.registry)
+        self.in_flight = Gauge("slogate_requests_in_flight", "Requests being served now.",
+                               registry=self.registry)
+        self.queued = Gauge("slogate_requests_queued",
+                            "Requests waiting in the gateway's admission queue.",
+                            registry=self.registry)
+
+    def observe(self, ctx: RequestContext) -> None:
+        """Everything about one finished request."""
+        base = (ctx.backend or "none", ctx.model_label, ctx.route)
+        slo_name = ctx.slo.name if ctx.slo is not None else "none"
+        with_slo = base + (slo_name,)
+        self.requests.labels(*base, ctx.outcome or "unknown").inc()
+        if ctx.verdict:
+            self.slo_requests.labels(*with_slo, ctx.verdict).inc()
+        if ctx.t_end:
+            self.duration.observe(with_slo, (ctx.t_end - ctx.t_received) / 1e9)
+        ttft = ctx.ttft_s()
+        if ttft is not None:
+            self.ttft.observe(with_slo, ttft)
+        tpot = ctx.tpot_s()
+        if tpot is not None:
+            self.tpot.observe(with_slo, tpot)
+        if len(ctx.token_ns) > 1:
+            self.itl.observe_many(base, ctx.itl_s())
+        if ctx.t_sent:
+            self.gateway_queue.observe(base, (ctx.t_sent - ctx.t_received) / 1e9)
+            self.overhead.observe(base, ctx.overhead_s())
+            if ctx.t_headers:
+                self.headers.observe(base, (ctx.t_headers - ctx.t_sent) / 1e9)
+        if ctx.t_connect_start and ctx.t_connect_end:
+            self.connect.observe(base, (ctx.t_connect_end - ctx.t_connect_start) / 1e9)
+        for hist, value in ((self.provider_queue, ctx.provider_queue_s),
+                            (self.provider_prefill, ctx.provider_prefill_s),
+                            (self.provider_decode, ctx.provider_decode_s)):
+            if value is not None:
+                hist.observe(base, value)
+        if ctx.prompt_tokens:
+            self.tokens.labels(*base, "prompt").inc(ctx.prompt_tokens)
+        if ctx.completion_tokens:
+            self.tokens.labels(*base, "completion").inc(ctx.completion_tokens)
+        if ctx.cancel_phase:
+            self.cancellations.labels(*base, ctx.cancel_phase).inc()
+        if ctx.interruption:
+            self.interruptions.labels(*base, ctx.interruption).inc()

@@ -1,0 +1,232 @@
+"""OpenTelemetry spans for each request, built from its timeline.
+
+The SERVER span and the upstream CLIENT span are started when their work starts (the CLIENT
+span's context is what goes upstream in `traceparent`, so vLLM's `llm_request` span becomes its
+child); everything else — stage spans, events, attributes — is created at the end from the
+finished timeline with explicit start/end times. Nothing per token.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Mapping
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from gateway.config import TelemetryConfig
+from gateway.context import OK, RequestContext
+
+# Monotonic stamps → wall-clock ns for span times (the timeline is monotonic on purpose).
+_EPOCH_OFFSET = time.time_ns() - time.monotonic_ns()
+_PROPAGATOR = TraceContextTextMapPropagator()
+TRACE_HEADERS = ("traceparent", "tracestate")
+
+
+def epoch_ns(t: int) -> int:
+    return t + _EPOCH_OFFSET
+
+
+def otlp_endpoint(cfg: TelemetryConfig, signal: str) -> str | None:
+    """Where to export `signal` ("traces"/"metrics"), or None if nothing is configured."""
+    if cfg.otlp_endpoint:
+        base = cfg.otlp_endpoint.rstrip("/")
+        return base if cfg.otlp_protocol == "grpc" else f"{base}/v1/{signal}"
+    specific = os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT")
+    if specific:
+        return specific
+    base = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if base:
+        proto = os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", cfg.otlp_protocol)
+        return base.rstrip("/") if proto == "grpc" else f"{base.rstrip('/')}/v1/{signal}"
+    return None
+
+
+def _protocol(cfg: TelemetryConfig, signal: str) -> str:
+    if cfg.otlp_endpoint:
+        return cfg.otlp_protocol
+    return (os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL")
+            or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or cfg.otlp_protocol)
+
+
+def _span_exporter(cfg: TelemetryConfig, endpoint: str) -> SpanExporter:
+    if _protocol(cfg, "traces") == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
+
+        return Grpc(endpoint=endpoint, insecure=endpoint.startswith("http://"))
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+
+    return Http(endpoint=endpoint)
+
+
+class RequestSpans:
+    """The live spans of one request."""
+
+    __slots__ = ("server", "server_ctx", "upstream", "trace_id")
+
+    def __init__(self, server: trace.Span, server_ctx: Context) -> None:
+        self.server = server
+        self.server_ctx = server_ctx
+        self.upstream: trace.Span | None = None
+        self.trace_id = format(server.get_span_context().trace_id, "032x")
+
+
+class Tracing:
+    def __init__(self, cfg: TelemetryConfig, exporter: SpanExporter | None = None) -> None:
+        self.capture_content = cfg.capture_content
+        endpoint = otlp_endpoint(cfg, "traces") if cfg.traces else None
+        if exporter is None and endpoint is None:
+            self.provider = None
+            return
+        self.provider = TracerProvider(resource=Resource.create(
+            {"service.name": cfg.service_name}))
+        self.provider.add_span_processor(BatchSpanProcessor(
+            exporter or _span_exporter(cfg, endpoint)))  # type: ignore[arg-type]
+        self.tracer = self.provider.get_tracer("slogate")
+
+    @property
+    def enabled(self) -> bool:
+        return self.provider is not None
+
+    def start(self, ctx: RequestContext, headers: Mapping[str, str], operation: str) -> None:
+        """The SERVER span, joining the caller's trace if it sent a valid `traceparent`."""
+        parent = _PROPAGATOR.extract(headers)
+        span = self.tracer.start_span(f"{operation} {ctx.model}", context=parent,
+                                      kind=SpanKind.SERVER, start_time=epoch_ns(ctx.t_received))
+        ctx.trace = RequestSpans(span, trace.set_span_in_context(span, parent))
+
+    def upstream_attempt(self, ctx: RequestContext, out_headers: Any, propagate: bool) -> None:
+        """Start the CLIENT span for an upstream attempt and put its context in the upstream
+        request's headers (or strip trace headers when this backend must not see them)."""
+        spans = ctx.trace
+        if spans is None:
+            if not propagate:  # tracing off: the caller's context passes through, if allowed
+                for name in TRACE_HEADERS:
+                    out_headers.pop(name, None)
+            return
+        for name in TRACE_HEADERS:
+            out_headers.pop(name, None)
+        span = self.tracer.start_span("upstream", context=spans.server_ctx, kind=SpanKind.CLIENT,
+                                      start_time=epoch_ns(ctx.t_sent))
+        spans.upstream = span
+        if propagate:
+            _PROPAGATOR.inject(out_headers, context=trace.set_span_in_context(span))
+
+    def finish(self, ctx: RequestContext, operation: str, provider: str) -> None:
+        spans: RequestSpans | None = ctx.trace
+        if spans is None:
+            return
+        end = epoch_ns(ctx.t_end or time.monotonic_ns())
+        server = spans.server
+        attrs: dict[str, Any] = {
+            "gen_ai.operation.name": operation,
+            "gen_ai.provider.name": provider,
+            "gen_ai.request.model": ctx.model or "",
+            "gen_ai.request.stream": ctx.stream,
+            "slogate.outcome": ctx.outcome or "",
+            "slogate.request_id": ctx.request_id,
+        }
+        if ctx.backend:
+            attrs["slogate.backend"] = ctx.backend
+        if ctx.server_address:
+            attrs["server.address"] = ctx.server_address
+            attrs["server.port"] = ctx.server_port or 0
+        if ctx.response_model:
+            attrs["gen_ai.response.model"] = str(ctx.response_model)
+        if ctx.response_id:
+            attrs["gen_ai.response.id"] = str(ctx.response_id)
+        if ctx.finish_reasons:
+            attrs["gen_ai.response.finish_reasons"] = [str(r) for r in ctx.finish_reasons]
+        if ctx.prompt_tokens is not None:
+            attrs["gen_ai.usage.input_tokens"] = ctx.prompt_tokens
+        if ctx.completion_tokens is not None:
+            attrs["gen_ai.usage.output_tokens"] = ctx.completion_tokens
+            attrs["slogate.usage.source"] = ctx.usage_source or ""
+        if ctx.slo is not None:
+            attrs["slogate.slo_class"] = ctx.slo.name
+        if ctx.verdict:
+            attrs["slogate.slo.verdict"] = ctx.verdict
+        ttft = ctx.ttft_s()
+        if ttft is not None:
+            attrs["slogate.ttft_ms"] = round(ttft * 1e3, 3)
+        if ctx.t_first_event and ctx.t_sent:
+            attrs["gen_ai.response.time_to_first_chunk"] = (ctx.t_first_event - ctx.t_sent) / 1e9
+        tpot = ctx.tpot_s()
+        if tpot is not None:
+            attrs["slogate.tpot_ms"] = round(tpot * 1e3, 3)
+        if ctx.outcome != OK:
+            attrs["error.type"] = ctx.error_type or ctx.outcome or "_OTHER"
+            server.set_status(Status(StatusCode.ERROR, ctx.outcome))
+        server.set_attributes(attrs)
+        for name, t in (("first_event", ctx.t_first_event), ("first_token", ctx.t_first_token),
+                        ("first_visible", ctx.t_first_visible), ("last_token", ctx.t_last_token)):
+            if t:
+                server.add_event(name, timestamp=epoch_ns(t))
+
+        def child(name: str, parent_ctx: Context, a: int, b: int,
+                  extra: dict[str, Any] | None = None) -> None:
+            if a and b and b >= a:
+                s = self.tracer.start_span(name, context=parent_ctx, start_time=a,
+                                           attributes=extra)
+                s.end(end_time=b)
+
+        if ctx.t_sent:
+            child("gateway.queue", spans.server_ctx, epoch_ns(ctx.t_received), epoch_ns(ctx.t_sent))
+        up = spans.upstream
+        if up is not None:
+            up_ctx = trace.set_span_in_context(up)
+            up_attrs: dict[str, Any] = {"gen_ai.operation.name": operation,
+                                        "gen_ai.provider.name": provider}
+            if ctx.server_address:
+                up_attrs["server.address"] = ctx.server_address
+                up_attrs["server.port"] = ctx.server_port or 0
+            if ctx.status:
+                up_attrs["http.response.status_code"] = ctx.status
+            if ctx.outcome != OK and ctx.outcome is not None:
+                up_attrs["error.type"] = ctx.error_type or ctx.outcome
+                up.set_status(Status(StatusCode.ERROR, ctx.outcome))
+            up.set_attributes(up_attrs)
+            measured = {"slogate.timing.source": "gateway"}
+            if ctx.t_connect_start:
+                child("upstream.connect", up_ctx, epoch_ns(ctx.t_connect_start),
+                      epoch_ns(ctx.t_connect_end), measured)
+            if ctx.t_first_token:
+                child("upstream.prefill", up_ctx, epoch_ns(ctx.t_sent),
+                      epoch_ns(ctx.t_first_token), measured)
+                if ctx.t_last_token > ctx.t_first_token:
+                    child("upstream.decode", up_ctx, epoch_ns(ctx.t_first_token),
+                          epoch_ns(ctx.t_last_token), measured)
+            self._provider_spans(ctx, up_ctx, child)
+            up.end(end_time=end)
+        server.end(end_time=end)
+
+    @staticmethod
+    def _provider_spans(ctx: RequestContext, up_ctx: Context, child) -> None:
+        """Stages the provider reported, placed on our timeline: its prefill ends where we saw
+        the first token, its queue ends where its prefill starts, its decode starts at the
+        first token. Only what was reported; no split is invented."""
+        if not ctx.t_first_token:
+            return
+        source = {"slogate.timing.source": "provider",
+                  "slogate.timing.anchor": "gateway_first_token"}
+        first = epoch_ns(ctx.t_first_token)
+        prefill = ctx.provider_prefill_s
+        queue_end = first
+        if prefill is not None:
+            queue_end = first - int(prefill * 1e9)
+            child("provider.prefill", up_ctx, queue_end, first, source)
+        if ctx.provider_queue_s is not None and prefill is not None:
+            child("provider.queue", up_ctx, queue_end - int(ctx.provider_queue_s * 1e9),
+                  queue_end, source)
+        if ctx.provider_decode_s is not None:
+            child("provider.decode", up_ctx, first, first + int(ctx.provider_decode_s * 1e9),
+                  source)
+
+    def shutdown(self) -> None:
+        if self.provider is not None:
+            self.provider.shutdown()
