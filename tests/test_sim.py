@@ -218,14 +218,13 @@ async def test_headers_sent_before_queueing_and_role_with_first_token() -> None:
 # --- physics -----------------------------------------------------------------------------------
 
 async def test_ttft_rises_with_queue_depth() -> None:
-    async with sim(max_batch=2, decode_base_ms=2.0) as url:
-        body = {**CHAT, "max_tokens": 10}
-        alone, _, _ = await stream_times(url, body)
+    async with sim(max_batch=2, decode_base_ms=3.0) as url:
+        body = {**CHAT, "max_tokens": 12}
         results = await asyncio.gather(*[stream_times(url, body) for _ in range(10)])
         ttfts = sorted(r[0] for r in results)
-        # 2 run at once, 8 queued behind in pairs: the last pair waits ~4 generations of 10 steps
-        assert ttfts[-1] > 5 * max(alone, ttfts[0])
-        assert ttfts[-1] > 3 * ttfts[1]
+        # 2 run at once, 8 queue behind in pairs: the last pair waits 4 generations of 12 steps
+        assert ttfts[-1] > 4 * ttfts[1]
+        assert ttfts[-1] > ttfts[7] > ttfts[5] > ttfts[3] > ttfts[1]
 
 
 async def test_ttft_rises_with_prompt_length() -> None:
@@ -323,6 +322,8 @@ async def test_fault_cut_after() -> None:
             async for _ in await sdk(url).chat.completions.create(
                     **CHAT, stream=True, max_tokens=20, extra_headers={"x-sim-cut-after": "2"}):
                 pass
+        with pytest.raises(openai.APIConnectionError):  # non-streaming: connection closed, no response
+            await sdk(url).chat.completions.create(**CHAT, max_tokens=20, extra_headers={"x-sim-cut-after": "2"})
 
 
 async def test_fault_error_after() -> None:
@@ -336,6 +337,10 @@ async def test_fault_error_after() -> None:
             async for _ in await sdk(url).chat.completions.create(
                     **CHAT, stream=True, max_tokens=20, extra_headers={"x-sim-error-after": "1"}):
                 pass
+        with pytest.raises(openai.InternalServerError):  # non-streaming: a 500 after the tokens
+            await sdk(url).chat.completions.create(**CHAT, max_tokens=20, extra_headers={"x-sim-error-after": "1"})
+        st = await stats(url)
+        assert st["running"] == 0 and st["faults"]["error"] == 3
 
 
 @pytest.mark.parametrize("status,exc", [(429, openai.RateLimitError), (503, openai.InternalServerError),
@@ -373,7 +378,7 @@ async def test_fault_hang_headers_and_first_token_with_pings() -> None:
 
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(collect(), 0.23)
-        assert evs and all(ev == b": ping" for ev in evs) and 3 <= len(evs) <= 6
+        assert evs and all(ev == b": ping" for ev in evs) and 2 <= len(evs) <= 7
         rs.close()
 
 

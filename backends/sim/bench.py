@@ -36,25 +36,35 @@ def _pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
 
 
-async def _client(session: aiohttp.ClientSession, url: str, tokens: int, until: float,
-                  gaps: list[float], ttfts: list[float], counts: list[int]) -> None:
+class _Window:
+    """What is measured: token arrivals between t_from and t_to (after the staggered ramp-up)."""
+
+    def __init__(self, t_from: float, t_to: float) -> None:
+        self.t_from, self.t_to = t_from, t_to
+        self.tokens = 0
+        self.gaps: list[float] = []
+        self.ttfts: list[float] = []
+
+
+async def _client(session: aiohttp.ClientSession, url: str, tokens: int, delay: float, w: _Window) -> None:
     body = {"model": "sim", "messages": [{"role": "user", "content": "benchmark " * 8}],
             "stream": True, "max_tokens": tokens}
-    while time.perf_counter() < until:
+    await asyncio.sleep(delay)
+    while time.perf_counter() < w.t_to:
         t0 = time.perf_counter()
         last = None
-        n = 0
         async with session.post(url + "/v1/chat/completions", json=body) as resp:
             async for line in resp.content:
                 if line.startswith(b'data: {') and b'"content":"' in line and b'"content":""' not in line:
                     now = time.perf_counter()
-                    if last is None:
-                        ttfts.append(now - t0)
-                    else:
-                        gaps.append(now - last)
+                    if w.t_from <= now <= w.t_to:
+                        w.tokens += 1
+                        if last is None:
+                            if t0 >= w.t_from:
+                                w.ttfts.append(now - t0)
+                        elif last >= w.t_from:
+                            w.gaps.append(now - last)
                     last = now
-                    n += 1
-        counts.append(n)
 
 
 async def _steps(session: aiohttp.ClientSession, url: str) -> float:
@@ -65,31 +75,33 @@ async def _steps(session: aiohttp.ClientSession, url: str) -> float:
         return float("nan")
 
 
-async def _level(url: str, streams: int, tokens: int, seconds: float, pid: int | None) -> dict:
-    gaps: list[float] = []
-    ttfts: list[float] = []
-    counts: list[int] = []
+async def _level(url: str, streams: int, tokens: int, seconds: float, pid: int | None, step_ms: float) -> dict:
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as session:
-        # warm-up
-        await _client(session, url, 5, time.perf_counter() + 0.001, [], [], [])
+        await _client(session, url, 5, 0, _Window(0, time.perf_counter() + 0.001))  # warm-up
+        # stagger the starts over one answer's duration so the streams do not run in lockstep
+        ramp = tokens * step_ms / 1000 * 1.5
+        now = time.perf_counter()
+        w = _Window(now + ramp, now + ramp + seconds)
+        clients = [asyncio.ensure_future(_client(session, url, tokens, ramp * i / streams, w))
+                   for i in range(streams)]
+        await asyncio.sleep(w.t_from - time.perf_counter())
         steps0 = await _steps(session, url)
         cpu0 = _cpu_s(pid) if pid else 0.0
         me0 = _cpu_s(os.getpid())
-        t0 = time.perf_counter()
-        until = t0 + seconds
-        await asyncio.gather(*[_client(session, url, tokens, until, gaps, ttfts, counts) for _ in range(streams)])
-        wall = time.perf_counter() - t0
+        await asyncio.sleep(w.t_to - time.perf_counter())
         cpu = (_cpu_s(pid) - cpu0) if pid else float("nan")
         me = _cpu_s(os.getpid()) - me0
         steps = await _steps(session, url) - steps0
-    total = sum(counts)
+        await asyncio.gather(*clients)
+    wall = w.t_to - w.t_from
+    gaps, total = w.gaps, w.tokens
     return {
         "streams": streams, "tokens": total, "tok_s": total / wall,
         "gap_p50_ms": _pct(gaps, 50) * 1e3, "gap_p90_ms": _pct(gaps, 90) * 1e3,
         "gap_p99_ms": _pct(gaps, 99) * 1e3, "gap_max_ms": max(gaps) * 1e3 if gaps else float("nan"),
         "gap_mean_ms": statistics.fmean(gaps) * 1e3 if gaps else float("nan"),
-        "ttft_p50_ms": _pct(ttfts, 50) * 1e3,
+        "ttft_p50_ms": _pct(w.ttfts, 50) * 1e3,
         "sim_cpu_us_per_token": cpu / total * 1e6 if total else float("nan"),
         "sim_cpu_share": cpu / wall,
         "client_cpu_share": me / wall,
@@ -104,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=100)
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--port", type=int, default=18473)
+    ap.add_argument("--step-ms", type=float, default=2.0, help="the server's step time (for the ramp-up)")
     ap.add_argument("--taskset", default="", help="CPU list to pin the spawned simulator to, e.g. 0")
     args = ap.parse_args(argv)
     proc = None
@@ -132,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'streams':>7} {'tok/s':>9} {'gap p50':>8} {'p90':>6} {'p99':>6} {'max':>6} {'mean':>6} "
               f"{'ttft p50':>8} {'sim µs/tok':>10} {'sim cpu':>7} {'client cpu':>10} {'steps/s':>7}")
         for n in [int(x) for x in args.streams.split(",")]:
-            r = asyncio.run(_level(url, n, args.tokens, args.seconds, pid))
+            r = asyncio.run(_level(url, n, args.tokens, args.seconds, pid, args.step_ms))
             print(f"{r['streams']:>7} {r['tok_s']:>9.0f} {r['gap_p50_ms']:>8.2f} {r['gap_p90_ms']:>6.2f} "
                   f"{r['gap_p99_ms']:>6.2f} {r['gap_max_ms']:>6.2f} {r['gap_mean_ms']:>6.2f} "
                   f"{r['ttft_p50_ms']:>8.2f} {r['sim_cpu_us_per_token']:>10.1f} {r['sim_cpu_share']:>7.0%} {r['client_cpu_share']:>10.0%} {r['sim_steps_s']:>7.0f}",

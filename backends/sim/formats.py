@@ -6,7 +6,7 @@ server picks a renderer per route. To add a provider format (Anthropic Messages,
 Groq `x_groq`, Cerebras `time_info`) write another class with the same methods:
 
     opening(role_first) -> bytes   events written right after the response headers
-    first(tid) -> bytes            the first token (with the role chunk unless sent already)
+    first(tid, role_sent) -> bytes the first token (with the role chunk unless sent already)
     token(tid) -> bytes            every later token
     finish(seq, include_usage) -> bytes   finish chunk, usage, terminator
     error(message, code) -> bytes  a mid-stream error event and terminator

@@ -162,7 +162,8 @@ def _opt_int(body: dict[str, Any], key: str, lo: int) -> int | None:
     return v
 
 
-def _chat_prompt(body: dict[str, Any]) -> bytes:
+def _chat_prompt(body: dict[str, Any]) -> tuple[bytes, int]:
+    """The messages' text joined (for hashing and the prefix cache) and its content byte count."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise BadRequest("'messages' must be a non-empty list", "messages")
@@ -181,7 +182,7 @@ def _chat_prompt(body: dict[str, Any]) -> bytes:
                     raise BadRequest(f"messages[{i}].content parts must be objects", "messages")
         elif c is not None:
             raise BadRequest(f"messages[{i}].content must be a string, a list of parts or null", "messages")
-    return b"\n".join(parts)
+    return b"\n".join(parts), sum(map(len, parts))
 
 
 def _completion_prompt(body: dict[str, Any]) -> tuple[bytes, int | None]:
@@ -235,12 +236,12 @@ def parse_body(body: Any, chat: bool, cfg: SimConfig) -> Parsed:
         mct = _opt_int(body, "max_completion_tokens", 1)
         if mct is not None:
             mt = mct
-        prompt = _chat_prompt(body)
-        ptoks = None
+        prompt, nbytes = _chat_prompt(body)
+        ptoks = max(1, -(-nbytes // cfg.bytes_per_token))
     else:
         prompt, ptoks = _completion_prompt(body)
-    if ptoks is None:
-        ptoks = max(1, -(-len(prompt) // cfg.bytes_per_token))
+        if ptoks is None:
+            ptoks = max(1, -(-len(prompt) // cfg.bytes_per_token))
     if ptoks >= cfg.max_model_len or (mt is not None and ptoks + mt > cfg.max_model_len):
         raise BadRequest(
             f"This model's maximum context length is {cfg.max_model_len} tokens. However, you requested "
