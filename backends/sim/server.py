@@ -484,6 +484,8 @@ async def _stream(request: web.Request, sim: SimState, seq: Seq, p: Parsed, f: F
         outcome = await done
         if outcome == CUT or outcome == CANCELLED:
             # connection closed (by us, or the client is gone): aiohttp cancels us shortly
+            if request.transport is not None:
+                request.transport.close()
             await asyncio.sleep(10)
             return resp
         await resp.write_eof()
