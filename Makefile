@@ -19,8 +19,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m gateway demo $(if $(DURATION),--duration $(DURATION))
 
-# Debian packages the tests drive for real (build tools for llama.cpp now; prometheus, nginx,
-# redis-server as the features that need them land).
+# Debian packages the tests drive for real: prometheus (+promtool), build tools for llama.cpp.
 system-deps:
 	bash scripts/install-system-deps.sh
 

@@ -1,6 +1,7 @@
 """The gateway application: routes, lifecycle, and `slogate serve`."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 
@@ -50,8 +51,9 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
     async def cleanup(app: web.Application) -> None:
         await app[ROUTER_KEY].close()
         finisher = app[FINISHER_KEY]
-        finisher.tracing.shutdown()
-        finisher.otlp.shutdown()
+        # Shutdown flushes over the network and blocks: keep it off the event loop.
+        await asyncio.to_thread(finisher.tracing.shutdown)
+        await asyncio.to_thread(finisher.otlp.shutdown)
 
     app.on_startup.append(startup)
     app.on_cleanup.append(cleanup)

@@ -3,6 +3,7 @@
 # when everything is present.
 set -euo pipefail
 need=()
+command -v prometheus >/dev/null || need+=(prometheus)   # real Prometheus + promtool
 command -v cmake >/dev/null || need+=(cmake)
 command -v g++ >/dev/null || need+=(g++)
 command -v gcc >/dev/null || need+=(gcc)

@@ -1,0 +1,87 @@
+"""Run the real `slogate` commands as subprocesses (as a user would), on free ports."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import AsyncIterator
+
+import aiohttp
+
+from prometheus_server import free_port
+
+
+class Proc:
+    def __init__(self, popen: subprocess.Popen, url: str, log: Path) -> None:
+        self.popen = popen
+        self.url = url
+        self.log = log
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+async def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"exited {proc.returncode}: {log.read_text()[-3000:]}")
+            try:
+                async with s.get(url) as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.05)
+    raise RuntimeError(f"{url} not ready: {log.read_text()[-3000:]}")
+
+
+@contextlib.asynccontextmanager
+async def slogate(*args: str, ready_path: str, env: dict[str, str] | None = None,
+                  port: int | None = None) -> AsyncIterator[Proc]:
+    """`python -m gateway ARGS --port P`; yields once GET ready_path answers 200."""
+    port = port or free_port()
+    log = Path(tempfile.mkstemp(prefix="slogate-proc-", suffix=".log")[1])
+    with open(log, "wb") as out:
+        popen = subprocess.Popen([sys.executable, "-m", "gateway", *args, "--port", str(port)],
+                                 stdout=out, stderr=subprocess.STDOUT,
+                                 env={**os.environ, **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_ready(url + ready_path, popen, log)
+        yield Proc(popen, url, log)
+    finally:
+        if popen.poll() is None:
+            popen.terminate()
+            try:
+                popen.wait(10)
+            except subprocess.TimeoutExpired:
+                popen.kill()
+                popen.wait()
+        log.unlink(missing_ok=True)
+
+
+@contextlib.asynccontextmanager
+async def sim_and_gateway(sim_args: tuple[str, ...] = (), config_toml: str = "") -> AsyncIterator[tuple[Proc, Proc]]:
+    """The simulator and a gateway in front of it, both as real processes."""
+    async with slogate("sim", *sim_args, ready_path="/health") as sim:
+        cfg = Path(tempfile.mkstemp(prefix="slogate-", suffix=".toml")[1])
+        cfg.write_text(config_toml or f"""
+[server]
+access_log = true
+[[backends]]
+name = "sim"
+base_url = "{sim.url}/v1"
+models = ["m"]
+""")
+        try:
+            async with slogate("serve", "--config", str(cfg), ready_path="/readyz") as gw:
+                yield sim, gw
+        finally:
+            cfg.unlink(missing_ok=True)

@@ -1,0 +1,83 @@
+"""A real Prometheus server (Debian package `prometheus`) scraping given targets, for tests."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import AsyncIterator
+
+import aiohttp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Prometheus:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    async def query(self, expr: str) -> list[dict]:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(self.url + "/api/v1/query", params={"query": expr}) as r:
+                body = await r.json()
+        if body.get("status") != "success":
+            raise AssertionError(f"query failed: {expr}: {body}")
+        return body["data"]["result"]
+
+    async def scalar(self, expr: str) -> float | None:
+        result = await self.query(expr)
+        return float(result[0]["value"][1]) if result else None
+
+
+@contextlib.asynccontextmanager
+async def prometheus(targets: list[str], rule_files: list[str] = ()) -> AsyncIterator[Prometheus]:
+    """Start Prometheus scraping `targets` (host:port) every second."""
+    binary = shutil.which("prometheus")
+    assert binary, "prometheus is not installed (make test installs the Debian package)"
+    tmp = Path(tempfile.mkdtemp(prefix="slogate-prom-"))
+    port = free_port()
+    cfg = tmp / "prometheus.yml"
+    rules = "".join(f"\n  - {r}" for r in rule_files)
+    cfg.write_text(f"""global:
+  scrape_interval: 1s
+  evaluation_interval: 1s
+rule_files:{rules or ' []'}
+scrape_configs:
+  - job_name: slogate
+    static_configs:
+      - targets: {targets!r}
+""")
+    log = open(tmp / "prometheus.log", "wb")
+    proc = subprocess.Popen([binary, f"--config.file={cfg}", f"--storage.tsdb.path={tmp / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(300):
+                if proc.poll() is not None:
+                    raise RuntimeError((tmp / "prometheus.log").read_text()[-2000:])
+                try:
+                    async with s.get(url + "/-/ready") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.1)
+            else:
+                raise RuntimeError("prometheus did not become ready")
+        yield Prometheus(url)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
