@@ -13,6 +13,8 @@ import orjson
 from gateway.context import RequestContext
 from gateway.sse import SSEEvent
 
+FAMILY = "openai"  # the API family this module's routes speak; backend types declare theirs
+
 # Client route -> path under the backend's base_url (which includes the /v1 prefix).
 ROUTES = {
     "/v1/chat/completions": "/chat/completions",

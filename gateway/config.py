@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from gateway.slo import DEFAULT_CLASS, SLOClass, SLOPolicy
 
-BACKEND_TYPES = ("openai",)
+BACKEND_TYPES = ("openai",)  # keep in step with backends.BACKEND_TYPES (tested)
 OTLP_PROTOCOLS = ("http/protobuf", "grpc")
 
 

@@ -8,7 +8,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from backends import openai as openai_api
+import backends
 from gateway import ingress
 from gateway.context import (CLIENT_CANCELLED, GATEWAY_ERROR, OK, UPSTREAM_ERROR,
                              RequestContext, now_ns)
@@ -40,7 +40,7 @@ class Proxy:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         route = request.path
-        api = openai_api
+        api = backends.api_for(route)
         operation = api.OPERATIONS[route]
         provider = "unknown"
         ctx = RequestContext(route)
@@ -56,7 +56,7 @@ class Proxy:
             ctx.stream = ingress.stream_of(parsed)
             if self.tracing.enabled:
                 self.tracing.start(ctx, request.headers, operation)
-            replica, upstream_model = self.router.pick(ctx.model)
+            replica, upstream_model = self.router.pick(ctx.model, api.FAMILY)
             ctx.backend = replica.name
             provider = replica.cfg.provider
             ctx.server_address, ctx.server_port = replica.address, replica.port
@@ -72,7 +72,8 @@ class Proxy:
             headers["Content-Type"] = "application/json"
             headers["X-Request-Id"] = ctx.request_id
             if replica.api_key:
-                headers.update(api.auth_headers(replica.api_key))
+                headers.update(backends.backend_type(replica.cfg.type).auth_headers(
+                    replica.api_key))
             url = replica.cfg.base_url + api.ROUTES[route]
             ctx.t_sent = now_ns()
             self.tracing.upstream_attempt(ctx, headers, replica.cfg.propagate_trace)

@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+import backends
 from gateway.config import BackendConfig
 from gateway.context import RequestContext, now_ns
 from gateway.errors import GatewayError
@@ -68,7 +69,7 @@ class Replica:
 class Router:
     def __init__(self, replicas: list[Replica]) -> None:
         self.replicas = replicas
-        self._cycles: dict[str, Iterator[Replica]] = {}
+        self._cycles: dict[tuple[str, str], Iterator[Replica]] = {}
         self._known = frozenset(self.models())
 
     def model_label(self, model: str) -> str:
@@ -86,26 +87,23 @@ class Router:
                 names[alias] = None
         return list(names)
 
-    def _candidates(self, model: str) -> list[Replica]:
-        named = [r for r in self.replicas if model in r.cfg.models or model in r.cfg.aliases]
-        return named or [r for r in self.replicas if r.cfg.wildcard]
+    def _candidates(self, model: str, family: str) -> list[Replica]:
+        speaks = [r for r in self.replicas if backends.backend_type(r.cfg.type).FAMILY == family]
+        named = [r for r in speaks if model in r.cfg.models or model in r.cfg.aliases]
+        return named or [r for r in speaks if r.cfg.wildcard]
 
-    def pick(self, model: str) -> tuple[Replica, str]:
-        """The replica for this model and the model name to send upstream."""
-        cycle = self._cycles.get(model)
+    def pick(self, model: str, family: str) -> tuple[Replica, str]:
+        """A replica serving this model in this API family, and the model name to send
+        upstream."""
+        # Bounded: only configured names get their own cycle; wildcard traffic shares one.
+        key = (model if model in self._known else "*", family)
+        cycle = self._cycles.get(key)
         if cycle is None:
-            candidates = self._candidates(model)
+            candidates = self._candidates(model, family)
             if not candidates:
                 raise GatewayError(404, f"The model '{model}' does not exist or is not served by "
                                    "this gateway.", "model_not_found", param="model")
-            # Bounded: only configured names get their own cycle; wildcard traffic shares one.
-            key = model if any(model in r.cfg.models or model in r.cfg.aliases
-                               for r in candidates) else "*"
-            cycle = self._cycles.get(key)
-            if cycle is None:
-                cycle = self._cycles[key] = itertools.cycle(candidates)
-            if key != "*":
-                self._cycles[model] = cycle
+            cycle = self._cycles[key] = itertools.cycle(candidates)
         replica = next(cycle)
         return replica, replica.cfg.aliases.get(model, model)
 

@@ -9,6 +9,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+import backends
 from backends import openai as openai_api
 from gateway import config as config_mod
 from gateway.config import Config
@@ -82,7 +83,7 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
                                 404, f"Unknown route {request.method} {request.path}.",
                                 "unknown_route"))
 
-    for path in openai_api.ROUTES:
+    for path in backends.APIS:
         app.router.add_post(path, proxied)
     app.router.add_get("/v1/models", models)
     if cfg.telemetry.prometheus:
