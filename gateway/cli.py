@@ -22,6 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="listen address (overrides [server].host)")
     serve.add_argument("--port", type=int, help="listen port (overrides [server].port)")
 
+    sub.add_parser("hash-key", help="print the sha256 of a gateway key read from stdin "
+                   "(for [[auth.keys]] sha256)")
+
     demo = sub.add_parser("demo", help="simulator + gateway + a short load, then keep serving")
     demo.add_argument("--duration", type=float, help="exit after this many seconds")
     demo.add_argument("--port", type=int, default=8080, help="gateway port")
@@ -44,6 +47,15 @@ def main(argv: list[str] | None = None) -> int:
         from backends.sim import cli as sim_cli
 
         sim_cli.run(sim_cli.config_from_args(args), args.host, args.port)
+        return 0
+    if args.command == "hash-key":
+        from gateway.auth import hash_key
+
+        key = sys.stdin.readline().strip()
+        if not key:
+            print("slogate hash-key: no key on stdin", file=sys.stderr)
+            return 2
+        print(hash_key(key))
         return 0
     if args.command == "demo":
         from gateway import demo

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
+from gateway.auth import AuthPolicy, GatewayKey
 from gateway.slo import DEFAULT_CLASS, SLOClass, SLOPolicy
 
 BACKEND_TYPES = ("openai",)  # keep in step with backends.BACKEND_TYPES (tested)
@@ -86,6 +87,7 @@ class TelemetryConfig:
 class Config:
     server: ServerConfig
     backends: tuple[BackendConfig, ...]
+    auth: AuthPolicy
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     slo: SLOPolicy = field(default_factory=lambda: SLOPolicy(
         classes={DEFAULT_CLASS.name: DEFAULT_CLASS}, default=DEFAULT_CLASS.name, route_classes={}))
@@ -106,10 +108,10 @@ def load(path: str, env: Mapping[str, str] | None = None) -> Config:
 
 def parse(raw: dict[str, Any], env: Mapping[str, str] | None = None) -> Config:
     raw = _apply_env(raw, env or {})
-    unknown = set(raw) - {"server", "backends", "telemetry", "slo", "slo_classes"}
+    unknown = set(raw) - {"server", "backends", "auth", "telemetry", "slo", "slo_classes"}
     if unknown:
         key = sorted(unknown)[0]
-        raise ConfigError(key, raw[key], "one of the sections [server], [[backends]], "
+        raise ConfigError(key, raw[key], "one of the sections [server], [[backends]], [auth], "
                           "[telemetry], [slo], [[slo_classes]]")
     server = _server(raw.get("server", {}))
     telemetry = _telemetry(raw.get("telemetry", {}))
@@ -122,7 +124,8 @@ def parse(raw: dict[str, Any], env: Mapping[str, str] | None = None) -> Config:
     for i, name in enumerate(names):
         if name in names[:i]:
             raise ConfigError(f"backends[{i}].name", name, "a name not used by another backend")
-    return Config(server=server, backends=backends, telemetry=telemetry, slo=slo)
+    auth = _auth(raw.get("auth"))
+    return Config(server=server, backends=backends, auth=auth, telemetry=telemetry, slo=slo)
 
 
 def _toml_value(text: str) -> Any:
@@ -138,7 +141,7 @@ def _env_name(name: str) -> str:
 
 def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
     raw = dict(raw)
-    for section in ("server", "telemetry", "slo"):
+    for section in ("server", "telemetry", "slo", "auth"):
         table = dict(raw.get(section, {})) if isinstance(raw.get(section, {}), dict) else None
         if table is None:
             continue
@@ -257,6 +260,41 @@ def _backend(i: int, table: Any) -> BackendConfig:
         provider=_typed(where, table, "provider", str, "", "a provider name such as \"vllm\"")
         or btype,
     )
+
+
+def _auth(table: Any) -> AuthPolicy:
+    expected = ('[auth] with mode = "keys" and [[auth.keys]] (tenant, sha256), or mode = "open" '
+                "to serve without gateway keys")
+    if not isinstance(table, dict):
+        raise ConfigError("auth", table, expected)
+    _check_keys("auth", table, {"mode", "keys"})
+    mode = table.get("mode")
+    if mode not in ("keys", "open"):
+        raise ConfigError("auth.mode", mode, expected)
+    keys_raw = table.get("keys", [])
+    if not isinstance(keys_raw, list) or (mode == "keys" and not keys_raw):
+        raise ConfigError("auth.keys", keys_raw, "at least one [[auth.keys]] table in keys mode")
+    keys: dict[str, GatewayKey] = {}
+    for i, k in enumerate(keys_raw):
+        where = f"auth.keys[{i}]"
+        if not isinstance(k, dict):
+            raise ConfigError(where, k, "a table")
+        _check_keys(where, k, {"tenant", "sha256", "models"})
+        tenant = k.get("tenant")
+        if not isinstance(tenant, str) or not tenant:
+            raise ConfigError(f"{where}.tenant", tenant, "a tenant name")
+        digest = k.get("sha256")
+        if (not isinstance(digest, str) or len(digest) != 64
+                or any(c not in "0123456789abcdef" for c in digest.lower())):
+            # Never echo what might be a real key pasted by mistake.
+            raise ConfigError(f"{where}.sha256", "<hidden>",
+                              "the 64-hex-digit sha256 of the key (`slogate hash-key`)")
+        models = k.get("models", ["*"])
+        if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
+            raise ConfigError(f"{where}.models", models, 'a list of model names or ["*"]')
+        keys[digest.lower()] = GatewayKey(tenant=tenant, sha256=digest.lower(),
+                                          models=tuple(models))
+    return AuthPolicy(mode=mode, keys=keys)
 
 
 def _telemetry(table: Any) -> TelemetryConfig:

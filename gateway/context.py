@@ -40,7 +40,7 @@ class RequestContext:
         # telemetry inputs
         "token_ns", "overhead_ns", "t_connect_start", "t_connect_end", "provider_queue_s",
         "provider_prefill_s", "provider_decode_s", "slo", "verdict", "model_label",
-        "interruption", "trace", "server_address", "server_port",
+        "interruption", "trace", "server_address", "server_port", "tenant",
     )
 
     def __init__(self, route: str) -> None:
@@ -81,6 +81,7 @@ class RequestContext:
         self.trace: Any = None  # telemetry.tracing.RequestSpans when tracing is on
         self.server_address: str | None = None
         self.server_port: int | None = None
+        self.tenant: str | None = None  # from the gateway key; logs only, never a metric label
 
     # -- derived durations --------------------------------------------------------------------
     def phase(self) -> str:
@@ -167,6 +168,8 @@ class RequestContext:
             "status": self.status,
             "outcome": self.outcome,
         }
+        if self.tenant:
+            rec["tenant"] = self.tenant
         if self.error_type:
             rec["error_type"] = self.error_type
         if self.cancel_phase:

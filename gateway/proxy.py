@@ -10,6 +10,7 @@ from aiohttp import web
 
 import backends
 from gateway import ingress
+from gateway.auth import AuthPolicy
 from gateway.context import (CLIENT_CANCELLED, GATEWAY_ERROR, OK, UPSTREAM_ERROR,
                              RequestContext, now_ns)
 from gateway.errors import GatewayError
@@ -28,9 +29,10 @@ MAX_ERROR_BODY = 1024 * 1024
 
 
 class Proxy:
-    def __init__(self, router: Router, finisher: Finisher, slo: SLOPolicy, *,
+    def __init__(self, router: Router, finisher: Finisher, slo: SLOPolicy, auth: AuthPolicy, *,
                  max_body_bytes: int, commit: str) -> None:
         self.router = router
+        self.auth = auth
         self.finisher = finisher
         self.metrics: Metrics = finisher.metrics
         self.tracing: Tracing = finisher.tracing
@@ -47,11 +49,15 @@ class Proxy:
         up: aiohttp.ClientResponse | None = None
         self.metrics.in_flight.inc()
         try:
+            key = self.auth.authenticate(request.headers)
+            if key is not None:
+                ctx.tenant = key.tenant
             ctx.slo = self.slo.target_for(route, request.headers)
             body = await ingress.read_body(request, self.max_body_bytes)
             ctx.t_body = now_ns()
             parsed = ingress.parse_json(body)
             ctx.model = ingress.model_of(parsed)
+            self.auth.authorize(key, ctx.model)
             ctx.model_label = self.router.model_label(ctx.model)
             ctx.stream = ingress.stream_of(parsed)
             if self.tracing.enabled:

@@ -13,6 +13,7 @@ import backends
 from backends import openai as openai_api
 from gateway import config as config_mod
 from gateway.config import Config
+from gateway.errors import GatewayError
 from gateway.finish import Finisher
 from gateway.proxy import Proxy
 from gateway.routing import Replica, Router
@@ -45,7 +46,7 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
         finisher = Finisher(metrics, tracing or Tracing(cfg.telemetry),
                             otlp_metrics or OTLPMetrics(cfg.telemetry))
         app[FINISHER_KEY] = finisher
-        app[PROXY_KEY] = Proxy(router, finisher, cfg.slo,
+        app[PROXY_KEY] = Proxy(router, finisher, cfg.slo, cfg.auth,
                                max_body_bytes=cfg.server.max_body_bytes,
                                commit=cfg.server.commit)
 
@@ -63,8 +64,14 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
         return await request.app[PROXY_KEY].handle(request)
 
     async def models(request: web.Request) -> web.Response:
+        try:
+            key = cfg.auth.authenticate(request.headers)
+        except GatewayError as e:
+            return web.Response(status=e.status, content_type="application/json",
+                                body=openai_api.error_body(e.status, e.message, e.code))
+        allowed = (lambda m: True) if key is None or "*" in key.models else key.models.__contains__
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "slogate"}
-                for m in request.app[ROUTER_KEY].models()]
+                for m in request.app[ROUTER_KEY].models() if allowed(m)]
         return web.json_response({"object": "list", "data": data}, dumps=_dumps)
 
     async def prometheus(request: web.Request) -> web.Response:

@@ -73,6 +73,8 @@ async def sim_and_gateway(sim_args: tuple[str, ...] = (), config_toml: str = "")
     async with slogate("sim", *sim_args, ready_path="/health") as sim:
         cfg = Path(tempfile.mkstemp(prefix="slogate-", suffix=".toml")[1])
         cfg.write_text(config_toml or f"""
+[auth]
+mode = "open"
 [server]
 access_log = true
 [[backends]]

@@ -31,7 +31,7 @@ async def test_disconnect_reaches_the_engine_within_100ms(phase: str) -> None:
                                   prefill_chunk_tokens=64, decode_base_ms=20,
                                   decode_per_seq_ms=0))
     async with serve_app(sim_app) as sim_url:
-        cfg = config.parse({"server": {"access_log": False},
+        cfg = config.parse({"auth": {"mode": "open"}, "server": {"access_log": False},
                             "backends": [{"name": "sim", "base_url": sim_url + "/v1"}]})
         app = build_app(cfg)
         async with serve_app(app) as gw, aiohttp.ClientSession() as s:

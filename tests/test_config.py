@@ -9,10 +9,11 @@ import pytest
 from gateway import config
 
 BACKEND = {"name": "a", "base_url": "http://127.0.0.1:8000/v1"}
+OPEN = {"mode": "open"}
 
 
 def test_minimal_config_defaults() -> None:
-    cfg = config.parse({"backends": [BACKEND]})
+    cfg = config.parse({"backends": [BACKEND], "auth": OPEN})
     assert cfg.server.port == 8080 and cfg.server.commit == "first_token"
     b = cfg.backends[0]
     assert b.type == "openai" and b.models == ("*",) and b.pool_size == 256
@@ -45,7 +46,8 @@ def test_environment_overrides() -> None:
     env = {"SLOGATE_SERVER_PORT": "9001", "SLOGATE_SERVER_COMMIT": "headers",
            "SLOGATE_BACKEND_VLLM_A_BASE_URL": "http://10.1.2.3:8000/v1",
            "SLOGATE_BACKEND_VLLM_A_MODELS": '["llama"]'}
-    cfg = config.parse({"backends": [{"name": "vllm-a", "base_url": "http://x:1/v1"}]}, env)
+    cfg = config.parse({"backends": [{"name": "vllm-a", "base_url": "http://x:1/v1"}],
+                       "auth": OPEN}, env)
     assert cfg.server.port == 9001 and cfg.server.commit == "headers"
     assert cfg.backends[0].base_url == "http://10.1.2.3:8000/v1"
     assert cfg.backends[0].models == ("llama",)
@@ -53,7 +55,8 @@ def test_environment_overrides() -> None:
 
 def test_api_key_comes_from_the_named_environment_variable(monkeypatch) -> None:
     monkeypatch.setenv("UPSTREAM_KEY_FOR_TEST", "sk-secret")
-    cfg = config.parse({"backends": [{**BACKEND, "api_key_env": "UPSTREAM_KEY_FOR_TEST"}]})
+    cfg = config.parse({"backends": [{**BACKEND, "api_key_env": "UPSTREAM_KEY_FOR_TEST"}],
+                       "auth": OPEN})
     assert cfg.backends[0].api_key() == "sk-secret"
     assert "sk-secret" not in repr(cfg)
 
@@ -65,6 +68,23 @@ def test_serve_with_bad_config_exits_nonzero(tmp_path) -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "server.port" in proc.stderr and "'eighty'" in proc.stderr
+
+
+@pytest.mark.parametrize("auth,key,fragment", [
+    (None, "auth", 'mode = "open"'),
+    ({"mode": "closed"}, "auth.mode", '"keys"'),
+    ({"mode": "keys"}, "auth.keys", "at least one"),
+    ({"mode": "keys", "keys": [{"tenant": "t", "sha256": "sk-live-123"}]}, "auth.keys[0].sha256",
+     "sha256"),
+])
+def test_auth_must_be_explicit(auth, key, fragment) -> None:
+    raw = {"backends": [BACKEND]}
+    if auth is not None:
+        raw["auth"] = auth
+    with pytest.raises(config.ConfigError) as e:
+        config.parse(raw)
+    assert e.value.key == key and fragment in str(e.value)
+    assert "sk-live-123" not in str(e.value)  # a pasted key is never echoed
 
 
 def test_example_config_is_valid() -> None:

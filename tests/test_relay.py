@@ -30,7 +30,7 @@ DONE = b"data: [DONE]\n\n"
 
 
 def gateway_config(upstream_base: str, **server) -> config.Config:
-    return config.parse({"server": {"access_log": False, **server},
+    return config.parse({"auth": {"mode": "open"}, "server": {"access_log": False, **server},
                          "backends": [{"name": "up", "base_url": upstream_base + "/v1"}]})
 
 
@@ -235,7 +235,7 @@ async def test_bad_requests_get_openai_errors(payload: bytes, status: int, code:
 
 async def test_body_over_limit_is_413() -> None:
     async with serve_app(scripted_app([DONE])) as up:
-        cfg = config.parse({"server": {"max_body_bytes": 1000, "access_log": False},
+        cfg = config.parse({"auth": {"mode": "open"}, "server": {"max_body_bytes": 1000, "access_log": False},
                             "backends": [{"name": "up", "base_url": up + "/v1"}]})
         async with serve_app(build_app(cfg)) as gw, aiohttp.ClientSession() as s:
             big = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 5000}]})
@@ -245,7 +245,7 @@ async def test_body_over_limit_is_413() -> None:
 
 
 async def test_unknown_model_is_404_and_backend_down_is_502() -> None:
-    cfg = config.parse({"server": {"access_log": False}, "backends": [
+    cfg = config.parse({"auth": {"mode": "open"}, "server": {"access_log": False}, "backends": [
         {"name": "dead", "base_url": "http://127.0.0.1:9/v1", "models": ["known"]}]})
     async with serve_app(build_app(cfg)) as gw, aiohttp.ClientSession() as s:
         async with s.post(gw + "/v1/chat/completions", json={"model": "nope"}) as r:
@@ -265,7 +265,7 @@ async def test_unknown_model_is_404_and_backend_down_is_502() -> None:
 async def test_alias_rewrites_model_upstream_only() -> None:
     app = scripted_app([ROLE, chunk({"content": "a"}), FINISH, DONE])
     async with serve_app(app) as up:
-        cfg = config.parse({"server": {"access_log": False}, "backends": [
+        cfg = config.parse({"auth": {"mode": "open"}, "server": {"access_log": False}, "backends": [
             {"name": "up", "base_url": up + "/v1", "models": ["real-model"],
              "aliases": {"friendly": "real-model"}}]})
         async with serve_app(build_app(cfg)) as gw:

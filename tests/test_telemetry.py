@@ -26,7 +26,7 @@ FAST_SIM = SimConfig(decode_base_ms=2, decode_per_seq_ms=0, prefill_tokens_per_s
 
 
 def gw_config(upstream: str, **extra) -> config.Config:
-    raw = {"server": {"access_log": True},
+    raw = {"auth": {"mode": "open"}, "server": {"access_log": True},
            "backends": [{"name": "sim", "base_url": upstream + "/v1", "provider": "vllm",
                          "models": ["m"]}]}
     raw.update(extra)

@@ -1,0 +1,57 @@
+"""Gateway keys: who may use the gateway. The client's key is compared by its sha256 with the
+configured hashes (the config never holds a key), the matching tenant is recorded, and the key
+itself goes nowhere: not upstream (unless a backend says forward_client_auth), not in logs,
+spans, errors or metrics."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Mapping
+
+from gateway.errors import GatewayError
+
+
+@dataclass(frozen=True)
+class GatewayKey:
+    tenant: str
+    sha256: str
+    models: tuple[str, ...] = ("*",)
+
+
+@dataclass(frozen=True)
+class AuthPolicy:
+    mode: str  # "keys" or "open" (open must be chosen explicitly)
+    keys: Mapping[str, GatewayKey]  # sha256 hex -> key
+
+    def authenticate(self, headers: Mapping[str, str]) -> GatewayKey | None:
+        """The caller's key, or None in open mode; GatewayError 401 when missing or wrong."""
+        if self.mode == "open":
+            return None
+        presented = client_key(headers)
+        if not presented:
+            raise GatewayError(401, "Missing gateway key: send 'Authorization: Bearer <key>' or "
+                               "'x-api-key: <key>'.", "missing_api_key", outcome="rejected")
+        key = self.keys.get(hash_key(presented))
+        if key is None:
+            raise GatewayError(401, "Invalid gateway key.", "invalid_api_key", outcome="rejected")
+        return key
+
+    @staticmethod
+    def authorize(key: GatewayKey | None, model: str) -> None:
+        if key is not None and "*" not in key.models and model not in key.models:
+            raise GatewayError(403, f"This key may not use the model '{model}'.",
+                               "model_not_allowed", param="model", outcome="rejected")
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def client_key(headers: Mapping[str, str]) -> str | None:
+    auth = headers.get("Authorization")
+    if auth:
+        scheme, _, value = auth.partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+    key = headers.get("x-api-key")
+    return key.strip() if key and key.strip() else None
