@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
+import backends
 from gateway.auth import AuthPolicy, GatewayKey
 from gateway.slo import DEFAULT_CLASS, SLOClass, SLOPolicy
 
-BACKEND_TYPES = ("openai",)  # keep in step with backends.BACKEND_TYPES (tested)
+BACKEND_TYPES = tuple(backends.BACKEND_TYPES)
 OTLP_PROTOCOLS = ("http/protobuf", "grpc")
 
 

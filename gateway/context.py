@@ -41,6 +41,7 @@ class RequestContext:
         "token_ns", "overhead_ns", "t_connect_start", "t_connect_end", "provider_queue_s",
         "provider_prefill_s", "provider_decode_s", "slo", "verdict", "model_label",
         "interruption", "trace", "server_address", "server_port", "tenant",
+        "admission", "t_admitted",
     )
 
     def __init__(self, route: str) -> None:
@@ -82,6 +83,8 @@ class RequestContext:
         self.server_address: str | None = None
         self.server_port: int | None = None
         self.tenant: str | None = None  # from the gateway key; logs only, never a metric label
+        self.admission: tuple[str, str] | None = None  # (decision, reason)
+        self.t_admitted = 0  # left the admission queue (0: never queued)
 
     # -- derived durations --------------------------------------------------------------------
     def phase(self) -> str:

@@ -58,6 +58,7 @@ class Proxy:
             parsed = ingress.parse_json(body)
             ctx.model = ingress.model_of(parsed)
             self.auth.authorize(key, ctx.model)
+            ctx.admission = ("admitted", "admission_off")
             ctx.model_label = self.router.model_label(ctx.model)
             ctx.stream = ingress.stream_of(parsed)
             if self.tracing.enabled:

@@ -36,7 +36,7 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
     # The body limit is enforced by ingress (with a clear error), not by aiohttp's reader.
     app = web.Application(client_max_size=cfg.server.max_body_bytes + 1)
     app[CONFIG_KEY] = cfg
-    metrics = Metrics(cfg.slo.thresholds_s())
+    metrics = Metrics(cfg.slo.thresholds_s(), cfg.slo.classes, [b.name for b in cfg.backends])
     app[METRICS_KEY] = metrics
 
     async def startup(app: web.Application) -> None:

@@ -332,7 +332,14 @@ async def llamacpp_server(**kwargs) -> AsyncIterator[LlamaCppServer]:
     """
     import asyncio
 
-    srv = await asyncio.to_thread(start_llamacpp_server, **kwargs)
+    fut = asyncio.ensure_future(asyncio.to_thread(start_llamacpp_server, **kwargs))
+    try:
+        srv = await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        # the start goes on in its thread: stop whatever it brings up
+        fut.add_done_callback(
+            lambda f: None if f.cancelled() or f.exception() else f.result().stop())
+        raise
     try:
         yield srv
     finally:

@@ -95,8 +95,3 @@ def test_example_config_is_valid() -> None:
     cfg = config.load(str(Path(gateway.__file__).parent / "examples" / "sim.toml"), env={})
     assert cfg.backends[0].name == "sim"
 
-
-def test_config_backend_types_match_the_registry() -> None:
-    import backends
-
-    assert set(config.BACKEND_TYPES) == set(backends.BACKEND_TYPES)

@@ -79,7 +79,8 @@ class Histogram(Collector):
 class Metrics:
     """Every Prometheus metric of one gateway, in its own registry."""
 
-    def __init__(self, slo_thresholds_s: Iterable[float] = ()) -> None:
+    def __init__(self, slo_thresholds_s: Iterable[float] = (), slo_classes: Iterable[str] = (),
+                 backend_names: Iterable[str] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         thresholds = tuple(slo_thresholds_s)
         lat = LATENCY_BUCKETS + thresholds
@@ -138,6 +139,32 @@ class Metrics:
         self.queued = Gauge("slogate_requests_queued",
                             "Requests waiting in the gateway's admission queue.",
                             registry=self.registry)
+        # Admission (decisions are counted for every request; with admission off every
+        # request is admitted with reason "admission_off").
+        self.admission = Counter("slogate_admission_decisions",
+                                 "Admission decisions by decision and reason.",
+                                 ("model", "route", "slo_class", "decision", "reason"),
+                                 registry=self.registry)
+        self.queue_depth = Gauge("slogate_admission_queue_depth",
+                                 "Requests waiting for admission, by SLO class.", ("slo_class",),
+                                 registry=self.registry)
+        self.queue_wait = hist("admission_queue_wait_seconds",
+                               "Time a request waited for admission, by SLO class.",
+                               ("slo_class",), lat)
+        self.ttft_error = hist("ttft_prediction_error_seconds",
+                               "|predicted - actual| TTFT of admitted requests.",
+                               ("backend", "model"), lat)
+        # Upstream attempts and replica health.
+        self.attempts = Counter("slogate_upstream_attempts",
+                                "Upstream attempts by result (ok, or why it was retried/failed).",
+                                ("backend", "result"), registry=self.registry)
+        self.breaker = Gauge("slogate_backend_breaker_state",
+                             "Circuit breaker per backend replica: 0 closed, 1 half-open, 2 open.",
+                             ("backend",), registry=self.registry)
+        for cls in slo_classes:
+            self.queue_depth.labels(cls).set(0)
+        for name in backend_names:
+            self.breaker.labels(name).set(0)
 
     def observe(self, ctx: RequestContext) -> None:
         """Everything about one finished request."""
@@ -173,6 +200,8 @@ class Metrics:
             self.tokens.labels(*base, "prompt").inc(ctx.prompt_tokens)
         if ctx.completion_tokens:
             self.tokens.labels(*base, "completion").inc(ctx.completion_tokens)
+        if ctx.admission is not None:
+            self.admission.labels(ctx.model_label, ctx.route, slo_name, *ctx.admission).inc()
         if ctx.cancel_phase:
             self.cancellations.labels(*base, ctx.cancel_phase).inc()
         if ctx.interruption:
