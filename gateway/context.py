@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from typing import Any
 
 now_ns = time.monotonic_ns
@@ -22,7 +23,9 @@ REJECTED = "rejected"  # refused by the gateway before any upstream work (bad re
 
 
 def new_request_id() -> str:
-    return os.urandom(12).hex()
+    """A random UUID: also sent upstream as X-Request-Id, and some servers (llama.cpp's, via
+    starlette-context) answer 400 to an X-Request-Id that is not a UUID."""
+    return str(uuid.UUID(bytes=os.urandom(16), version=4))
 
 
 class RequestContext:

