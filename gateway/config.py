@@ -42,8 +42,62 @@ class ServerConfig:
     # "first_token": hold the client's response headers until the first token (so a failure
     # before it can still become a clean error); "headers": commit when upstream headers arrive.
     commit: str = "first_token"
-    connect_timeout_s: float = 10.0
     access_log: bool = True  # one JSON line per finished request
+    # SIGTERM: /readyz turns false, listening stops after readiness_grace_s, in-flight requests
+    # get up to drain_timeout_s, then streams end with an error event.
+    drain_timeout_s: float = 30.0
+    readiness_grace_s: float = 0.0
+    # SSE comment pings while a committed stream is silent this long (0 = off). Before commit,
+    # the first ping commits the response (failover is possible only before that).
+    keepalive_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """The four deadlines. A request may tighten them with x-slogate-timeout-<name>-ms
+    headers, never extend them."""
+    connect_s: float = 5.0  # TCP connect to the upstream
+    first_token_s: float = 60.0  # upstream request sent -> first token (per attempt)
+    idle_s: float = 60.0  # max gap between upstream events after the first token
+    total_s: float = 600.0  # request received -> end
+
+    def tightened(self, headers: Any) -> "Timeouts":
+        values = {}
+        for name in ("connect", "first_token", "idle", "total"):
+            raw = headers.get(f"x-slogate-timeout-{name.replace('_', '-')}-ms")
+            current = getattr(self, name + "_s")
+            if raw is None:
+                values[name + "_s"] = current
+                continue
+            try:
+                ms = float(raw)
+            except ValueError:
+                ms = float("nan")
+            if not 1 <= ms:  # also rejects NaN
+                from gateway.errors import GatewayError
+
+                raise GatewayError(400, f"x-slogate-timeout-{name.replace('_', '-')}-ms must be "
+                                   "a number of milliseconds >= 1.", "invalid_timeout_header")
+            values[name + "_s"] = min(current, ms / 1e3)
+        return Timeouts(**values)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Failures before commit go to the next replica (or fallback model)."""
+    max_attempts: int = 3
+    backoff_base_s: float = 0.05  # jittered exponential: random in [0, base * 2^n], capped
+    backoff_max_s: float = 2.0
+    retry_after_cap_s: float = 5.0  # an upstream Retry-After above this is not waited for
+    budget_s: float = 0.0  # no new attempt starts this long after the request arrived
+    #                        (0 = twice the first-token deadline)
+    statuses: tuple[int, ...] = (429, 500, 502, 503, 504, 529)
+
+
+@dataclass(frozen=True)
+class BreakerPolicy:
+    failures: int = 5  # consecutive failures (errors, timeouts) that open a replica's breaker
+    cooldown_s: float = 10.0  # then one half-open probe request decides
 
 
 @dataclass(frozen=True)
@@ -61,6 +115,9 @@ class BackendConfig:
     propagate_trace: bool = True
     # gen_ai.provider.name in telemetry (e.g. "vllm", "sglang", "openai"); defaults to the type.
     provider: str = ""
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    health_path: str = ""  # active health check: GET base_url's origin + this path
+    health_interval_s: float = 5.0
 
     @property
     def wildcard(self) -> bool:
@@ -89,6 +146,10 @@ class Config:
     server: ServerConfig
     backends: tuple[BackendConfig, ...]
     auth: AuthPolicy
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
+    # model -> models to try, in order, when every replica of it failed before commit
+    fallbacks: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     slo: SLOPolicy = field(default_factory=lambda: SLOPolicy(
         classes={DEFAULT_CLASS.name: DEFAULT_CLASS}, default=DEFAULT_CLASS.name, route_classes={}))
@@ -109,24 +170,30 @@ def load(path: str, env: Mapping[str, str] | None = None) -> Config:
 
 def parse(raw: dict[str, Any], env: Mapping[str, str] | None = None) -> Config:
     raw = _apply_env(raw, env or {})
-    unknown = set(raw) - {"server", "backends", "auth", "telemetry", "slo", "slo_classes"}
+    sections = {"server", "backends", "auth", "timeouts", "retry", "breaker", "fallbacks",
+                "telemetry", "slo", "slo_classes"}
+    unknown = set(raw) - sections
     if unknown:
         key = sorted(unknown)[0]
-        raise ConfigError(key, raw[key], "one of the sections [server], [[backends]], [auth], "
-                          "[telemetry], [slo], [[slo_classes]]")
+        raise ConfigError(key, raw[key], "one of the sections " + ", ".join(sorted(sections)))
+    default_timeouts = _timeouts("timeouts", raw.get("timeouts", {}), Timeouts())
     server = _server(raw.get("server", {}))
     telemetry = _telemetry(raw.get("telemetry", {}))
     slo = _slo(raw.get("slo", {}), raw.get("slo_classes", []))
     backends_raw = raw.get("backends")
     if not isinstance(backends_raw, list) or not backends_raw:
         raise ConfigError("backends", backends_raw, "at least one [[backends]] table")
-    backends = tuple(_backend(i, b) for i, b in enumerate(backends_raw))
+    backends = tuple(_backend(i, b, default_timeouts) for i, b in enumerate(backends_raw))
     names = [b.name for b in backends]
     for i, name in enumerate(names):
         if name in names[:i]:
             raise ConfigError(f"backends[{i}].name", name, "a name not used by another backend")
     auth = _auth(raw.get("auth"))
-    return Config(server=server, backends=backends, auth=auth, telemetry=telemetry, slo=slo)
+    retry = _retry(raw.get("retry", {}), default_timeouts)
+    breaker = _breaker(raw.get("breaker", {}))
+    fallbacks = _fallbacks(raw.get("fallbacks", {}))
+    return Config(server=server, backends=backends, auth=auth, retry=retry, breaker=breaker,
+                  fallbacks=fallbacks, telemetry=telemetry, slo=slo)
 
 
 def _toml_value(text: str) -> Any:
@@ -142,7 +209,7 @@ def _env_name(name: str) -> str:
 
 def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
     raw = dict(raw)
-    for section in ("server", "telemetry", "slo", "auth"):
+    for section in ("server", "telemetry", "slo", "auth", "timeouts", "retry", "breaker"):
         table = dict(raw.get(section, {})) if isinstance(raw.get(section, {}), dict) else None
         if table is None:
             continue
@@ -199,21 +266,76 @@ def _server(table: Any) -> ServerConfig:
     commit = _typed("server", table, "commit", str, d.commit, '"first_token" or "headers"')
     if commit not in ("first_token", "headers"):
         raise ConfigError("server.commit", commit, '"first_token" or "headers"')
-    connect = _typed("server", table, "connect_timeout_s", float, d.connect_timeout_s,
-                     "a positive number of seconds")
-    if connect <= 0:
-        raise ConfigError("server.connect_timeout_s", connect, "a positive number of seconds")
+    seconds = lambda key, positive=False: _seconds("server", table, key, getattr(d, key), positive)
     return ServerConfig(
         host=_typed("server", table, "host", str, d.host, "a host name or address"),
         port=port,
         max_body_bytes=max_body,
         commit=commit,
-        connect_timeout_s=connect,
         access_log=_typed("server", table, "access_log", bool, d.access_log, "true or false"),
+        drain_timeout_s=seconds("drain_timeout_s"),
+        readiness_grace_s=seconds("readiness_grace_s"),
+        keepalive_s=seconds("keepalive_s"),
     )
 
 
-def _backend(i: int, table: Any) -> BackendConfig:
+def _seconds(where: str, table: dict[str, Any], key: str, default: float,
+             positive: bool = False) -> float:
+    expected = "a positive number of seconds" if positive else "a number of seconds >= 0"
+    value = _typed(where, table, key, float, default, expected)
+    if value < 0 or (positive and value == 0):
+        raise ConfigError(f"{where}.{key}", value, expected)
+    return value
+
+
+def _timeouts(where: str, table: Any, base: Timeouts) -> Timeouts:
+    if not isinstance(table, dict):
+        raise ConfigError(where, table, "a table of connect_s, first_token_s, idle_s, total_s")
+    _check_keys(where, table, set(Timeouts.__dataclass_fields__))
+    return Timeouts(**{k: _seconds(where, table, k, getattr(base, k), positive=True)
+                       for k in Timeouts.__dataclass_fields__})
+
+
+def _retry(table: Any, timeouts: Timeouts) -> RetryPolicy:
+    if not isinstance(table, dict):
+        raise ConfigError("retry", table, "a table")
+    _check_keys("retry", table, set(RetryPolicy.__dataclass_fields__))
+    d = RetryPolicy()
+    attempts = _typed("retry", table, "max_attempts", int, d.max_attempts, "an integer >= 1")
+    if attempts < 1:
+        raise ConfigError("retry.max_attempts", attempts, "an integer >= 1")
+    statuses = table.get("statuses", list(d.statuses))
+    if not isinstance(statuses, list) or not all(
+            isinstance(c, int) and 400 <= c <= 599 for c in statuses):
+        raise ConfigError("retry.statuses", statuses, "a list of HTTP status codes 400-599")
+    seconds = lambda key: _seconds("retry", table, key, getattr(d, key))
+    budget = seconds("budget_s") or 2 * timeouts.first_token_s
+    return RetryPolicy(max_attempts=attempts, backoff_base_s=seconds("backoff_base_s"),
+                       backoff_max_s=seconds("backoff_max_s"),
+                       retry_after_cap_s=seconds("retry_after_cap_s"), budget_s=budget,
+                       statuses=tuple(statuses))
+
+
+def _breaker(table: Any) -> BreakerPolicy:
+    if not isinstance(table, dict):
+        raise ConfigError("breaker", table, "a table")
+    _check_keys("breaker", table, set(BreakerPolicy.__dataclass_fields__))
+    failures = _typed("breaker", table, "failures", int, BreakerPolicy.failures, "an integer >= 1")
+    if failures < 1:
+        raise ConfigError("breaker.failures", failures, "an integer >= 1")
+    return BreakerPolicy(failures=failures, cooldown_s=_seconds(
+        "breaker", table, "cooldown_s", BreakerPolicy.cooldown_s, positive=True))
+
+
+def _fallbacks(table: Any) -> dict[str, tuple[str, ...]]:
+    if not isinstance(table, dict) or not all(
+            isinstance(v, list) and all(isinstance(m, str) and m for m in v)
+            for v in table.values()):
+        raise ConfigError("fallbacks", table, 'a table of model = ["fallback model", ...]')
+    return {k: tuple(v) for k, v in table.items()}
+
+
+def _backend(i: int, table: Any, default_timeouts: Timeouts) -> BackendConfig:
     where = f"backends[{i}]"
     if not isinstance(table, dict):
         raise ConfigError(where, table, "a table")
@@ -260,7 +382,17 @@ def _backend(i: int, table: Any) -> BackendConfig:
         propagate_trace=_typed(where, table, "propagate_trace", bool, True, "true or false"),
         provider=_typed(where, table, "provider", str, "", "a provider name such as \"vllm\"")
         or btype,
+        timeouts=_timeouts(f"{where}.timeouts", table.get("timeouts", {}), default_timeouts),
+        health_path=_health_path(where, table),
+        health_interval_s=_seconds(where, table, "health_interval_s", 5.0, positive=True),
     )
+
+
+def _health_path(where: str, table: dict[str, Any]) -> str:
+    path = _typed(where, table, "health_path", str, "", 'a path such as "/health", or empty')
+    if path and not path.startswith("/"):
+        raise ConfigError(f"{where}.health_path", path, 'a path such as "/health", or empty')
+    return path
 
 
 def _auth(table: Any) -> AuthPolicy:

@@ -19,6 +19,7 @@ CLIENT_CANCELLED = "client_cancelled"
 UPSTREAM_ERROR = "upstream_error"
 UPSTREAM_TRUNCATED = "upstream_truncated"
 GATEWAY_ERROR = "gateway_error"
+TIMEOUT = "timeout"  # a deadline ended it
 REJECTED = "rejected"  # refused by the gateway before any upstream work (bad request, no backend)
 
 
@@ -26,6 +27,21 @@ def new_request_id() -> str:
     """A random UUID: also sent upstream as X-Request-Id, and some servers (llama.cpp's, via
     starlette-context) answer 400 to an X-Request-Id that is not a UUID."""
     return str(uuid.UUID(bytes=os.urandom(16), version=4))
+
+
+class Attempt:
+    """An upstream attempt that failed before anything was committed to the client."""
+
+    __slots__ = ("backend", "t_sent", "t_end", "result", "status", "span")
+
+    def __init__(self, backend: str, t_sent: int, t_end: int, result: str, status: int,
+                 span: Any) -> None:
+        self.backend = backend
+        self.t_sent = t_sent
+        self.t_end = t_end
+        self.result = result
+        self.status = status
+        self.span = span
 
 
 class RequestContext:
@@ -44,7 +60,7 @@ class RequestContext:
         "token_ns", "overhead_ns", "t_connect_start", "t_connect_end", "provider_queue_s",
         "provider_prefill_s", "provider_decode_s", "slo", "verdict", "model_label",
         "interruption", "trace", "server_address", "server_port", "tenant",
-        "admission", "t_admitted",
+        "admission", "t_admitted", "t_last_event", "t_dispatched", "attempts",
     )
 
     def __init__(self, route: str) -> None:
@@ -88,6 +104,28 @@ class RequestContext:
         self.tenant: str | None = None  # from the gateway key; logs only, never a metric label
         self.admission: tuple[str, str] | None = None  # (decision, reason)
         self.t_admitted = 0  # left the admission queue (0: never queued)
+        self.t_last_event = 0  # last upstream SSE event (idle deadline)
+        self.t_dispatched = 0  # first upstream attempt sent (end of the gateway queue)
+        self.attempts: list[Attempt] = []  # earlier upstream attempts that failed before commit
+
+    def new_attempt(self, result: str, span: Any) -> None:
+        """Record the current attempt as failed and clear what it observed, so the next one
+        starts a clean upstream timeline."""
+        self.attempts.append(Attempt(self.backend or "", self.t_sent, now_ns(), result,
+                                     self.status, span))
+        self.t_sent = self.t_headers = self.t_first_event = self.t_first_token = 0
+        self.t_first_visible = self.t_last_token = self.t_last_event = 0
+        self.t_connect_start = self.t_connect_end = 0
+        self.events = self.token_events = 0
+        self.token_ns = []
+        self.prompt_tokens = self.completion_tokens = None
+        self.usage_source = None
+        self.finish_reasons = []
+        self.response_id = self.response_model = None
+        self.done = False
+        self.error_type = None
+        self.status = 0
+        self.provider_queue_s = self.provider_prefill_s = self.provider_decode_s = None
 
     # -- derived durations --------------------------------------------------------------------
     def phase(self) -> str:
@@ -119,7 +157,7 @@ class RequestContext:
                 out[name] = round((b - a) / 1e6, 3)
 
         span("body", t0, self.t_body)
-        span("gateway", t0, self.t_sent)
+        span("gateway", t0, self.t_dispatched or self.t_sent)
         span("upstream_headers", self.t_sent, self.t_headers)
         span("upstream_ttft", self.t_sent, self.t_first_token)
         span("ttft", t0, self.t_first_token)
@@ -142,7 +180,8 @@ class RequestContext:
 
     def overhead_s(self) -> float:
         """Gateway code time: ingress to upstream send, plus relaying every read."""
-        before = (self.t_sent - self.t_received) if self.t_sent else 0
+        sent = self.t_dispatched or self.t_sent
+        before = (sent - self.t_received) if sent else 0
         return (before + self.overhead_ns) / 1e9
 
     def itl_s(self) -> list[float]:
@@ -176,6 +215,9 @@ class RequestContext:
         }
         if self.tenant:
             rec["tenant"] = self.tenant
+        if self.attempts:
+            rec["attempts"] = [{"backend": a.backend, "result": a.result,
+                                "ms": round((a.t_end - a.t_sent) / 1e6, 3)} for a in self.attempts]
         if self.error_type:
             rec["error_type"] = self.error_type
         if self.cancel_phase:

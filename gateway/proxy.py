@@ -1,24 +1,34 @@
 """The proxy handler: runs a request through the phases
-ingress → routing → upstream → relay → finish, with one RequestContext."""
+ingress → routing → upstream → relay → finish, with one RequestContext.
+
+A failure before commit (connect error, retryable status, first-token deadline, upstream closed
+before the first token) is not a second code path: the attempt is recorded on the timeline and
+routing picks the next replica (or fallback model), with tenacity's jittered backoff or the
+upstream's Retry-After, within the attempt limit and the retry budget.
+"""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
+from tenacity import (AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt,
+                      wait_random_exponential)
 
 import backends
-from gateway import ingress
+from gateway import deadlines, ingress
 from gateway.auth import AuthPolicy
-from gateway.context import (CLIENT_CANCELLED, GATEWAY_ERROR, OK, UPSTREAM_ERROR,
+from gateway.config import Config
+from gateway.context import (CLIENT_CANCELLED, GATEWAY_ERROR, OK, TIMEOUT, UPSTREAM_ERROR,
                              RequestContext, now_ns)
+from gateway.deadlines import Watchdog
 from gateway.errors import GatewayError
 from gateway.finish import Finisher
 from gateway.headers import client_response_headers, upstream_request_headers
-from gateway.relay import ClientGone, Relay
-from gateway.routing import Router
-from gateway.slo import SLOPolicy
+from gateway.relay import AttemptFailed, ClientGone, Relay, before_commit_failure
+from gateway.routing import Replica, Router
 from gateway.telemetry.prometheus import Metrics
 from gateway.telemetry.tracing import Tracing
 
@@ -29,25 +39,35 @@ MAX_ERROR_BODY = 1024 * 1024
 
 
 class Proxy:
-    def __init__(self, router: Router, finisher: Finisher, slo: SLOPolicy, auth: AuthPolicy, *,
-                 max_body_bytes: int, commit: str) -> None:
+    def __init__(self, cfg: Config, router: Router, finisher: Finisher) -> None:
+        self.cfg = cfg
         self.router = router
-        self.auth = auth
+        self.auth: AuthPolicy = cfg.auth
+        self.slo = cfg.slo
+        self.retry = cfg.retry
         self.finisher = finisher
         self.metrics: Metrics = finisher.metrics
         self.tracing: Tracing = finisher.tracing
-        self.slo = slo
-        self.max_body_bytes = max_body_bytes
-        self.hold_until_first_token = commit == "first_token"
+        self.max_body_bytes = cfg.server.max_body_bytes
+        self.hold_until_first_token = cfg.server.commit == "first_token"
+        self.keepalive_s = cfg.server.keepalive_s
+        self.active: set[Watchdog] = set()  # requests in flight (for the drain)
+        self._backoff = wait_random_exponential(multiplier=cfg.retry.backoff_base_s,
+                                                max=cfg.retry.backoff_max_s)
+
+    def end_all(self, reason: str) -> None:
+        """End every request in flight now (drain deadline): streams get an error event."""
+        for watchdog in list(self.active):
+            watchdog.fire(reason)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         route = request.path
         api = backends.api_for(route)
         operation = api.OPERATIONS[route]
-        provider = "unknown"
         ctx = RequestContext(route)
-        up: aiohttp.ClientResponse | None = None
+        state: dict[str, Any] = {"provider": "unknown", "up": None}
         self.metrics.in_flight.inc()
+        watchdog: Watchdog | None = None
         try:
             key = self.auth.authenticate(request.headers)
             if key is not None:
@@ -61,56 +81,33 @@ class Proxy:
             ctx.admission = ("admitted", "admission_off")
             ctx.model_label = self.router.model_label(ctx.model)
             ctx.stream = ingress.stream_of(parsed)
+            first = self.router.replicas_for(ctx.model, api.FAMILY)
+            timeouts = (first[0].cfg.timeouts if first else self.cfg.backends[0].timeouts)
+            timeouts = timeouts.tightened(request.headers)
             if self.tracing.enabled:
                 self.tracing.start(ctx, request.headers, operation)
-            replica, upstream_model = self.router.pick(ctx.model, api.FAMILY)
-            ctx.backend = replica.name
-            provider = replica.cfg.provider
-            ctx.server_address, ctx.server_port = replica.address, replica.port
-            ctx.upstream_model = upstream_model
-            changed = api.prepare_request(ctx, parsed)
-            if upstream_model != ctx.model:
-                parsed["model"] = upstream_model
-                changed = True
-            if changed:
-                body = orjson.dumps(parsed)
-            headers = upstream_request_headers(request.headers,
-                                               forward_auth=replica.cfg.forward_client_auth)
-            headers["Content-Type"] = "application/json"
-            headers["X-Request-Id"] = ctx.request_id
-            if replica.api_key:
-                headers.update(backends.backend_type(replica.cfg.type).auth_headers(
-                    replica.api_key))
-            url = replica.cfg.base_url + api.ROUTES[route]
-            ctx.t_sent = now_ns()
-            self.tracing.upstream_attempt(ctx, headers, replica.cfg.propagate_trace)
-            try:
-                up = await replica.session.post(url, data=body, headers=headers,
-                                                trace_request_ctx=ctx)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                raise GatewayError(502, f"Backend '{replica.name}' is unreachable: "
-                                   f"{type(e).__name__}.", "upstream_unreachable",
-                                   outcome=UPSTREAM_ERROR) from None
-            ctx.t_headers = now_ns()
-            ctx.status = up.status
-            extra = ((REQUEST_ID_HEADER, ctx.request_id),)
-            ctype = up.headers.get("Content-Type", "")
-            if up.status != 200 or not ctx.stream or not ctype.startswith("text/event-stream"):
-                return await self._whole(request, ctx, up, api, extra)
-            headers_out = client_response_headers(up.headers, event_stream=True, extra=extra)
-            relay = Relay(request, ctx, up, api.StreamObserver(ctx), api, headers_out,
-                          self.hold_until_first_token)
-            return await relay.run()
+            watchdog = Watchdog(ctx, ctx.t_received + int(timeouts.total_s * 1e9),
+                                timeouts.idle_s)
+            self.active.add(watchdog)
+            return await self._with_retries(request, ctx, api, parsed, body, watchdog,
+                                            request.headers, state)
         except GatewayError as e:
             ctx.finish(e.outcome, e.code)
             ctx.status = e.status
             return self._error(ctx, api, e)
         except (asyncio.CancelledError, ClientGone):
+            reason = watchdog.claim() if watchdog is not None else None
+            if reason is not None:  # a deadline or the drain, while reading the request body
+                e = before_commit_failure(reason)
+                ctx.finish(TIMEOUT, e.code)
+                ctx.status = e.status
+                return self._error(ctx, api, GatewayError(e.status, e.message, e.code))
             ctx.cancel_phase = ctx.phase()
             ctx.finish(CLIENT_CANCELLED)
+            up = state["up"]
             if up is not None:
                 up.close()  # close, not release: the engine must see the disconnect now
-                up = None
+                state["up"] = None
             raise
         except Exception as e:  # a bug of ours: answer cleanly, keep serving
             ctx.finish(GATEWAY_ERROR, type(e).__name__)
@@ -120,19 +117,178 @@ class Proxy:
             return self._error(ctx, api, GatewayError(500, "Internal gateway error.",
                                                       "gateway_error", outcome=GATEWAY_ERROR))
         finally:
+            if watchdog is not None:
+                watchdog.stop()
+                self.active.discard(watchdog)
+            up = state["up"]
             if up is not None:
                 if ctx.outcome == OK:
                     up.release()
                 else:
                     up.close()
             self.metrics.in_flight.dec()
-            self.finisher.finish(ctx, operation, provider)
+            self.finisher.finish(ctx, operation, state["provider"])
 
-    async def _whole(self, request: web.Request, ctx: RequestContext,
-                     up: aiohttp.ClientResponse, api, extra) -> web.StreamResponse:
+    # -- attempts ----------------------------------------------------------------------------
+
+    def _wait(self, rs: RetryCallState) -> float:
+        exc = rs.outcome.exception() if rs.outcome else None
+        if isinstance(exc, AttemptFailed) and exc.retry_after_s is not None:
+            return exc.retry_after_s
+        return self._backoff(rs)
+
+    def _stop(self, ctx: RequestContext):
+        budget_at = ctx.t_received + int(self.retry.budget_s * 1e9)
+        by_count = stop_after_attempt(self.retry.max_attempts)
+
+        def stop(rs: RetryCallState) -> bool:
+            return by_count(rs) or now_ns() + int((rs.upcoming_sleep or 0) * 1e9) >= budget_at
+
+        return stop
+
+    async def _with_retries(self, request, ctx, api, parsed, body, watchdog, headers_in,
+                            state) -> web.StreamResponse:
+        tried: list[Replica] = []
+        retrying = AsyncRetrying(
+            stop=self._stop(ctx), wait=self._wait, reraise=True,
+            retry=retry_if_exception(lambda e: isinstance(e, AttemptFailed) and e.retryable))
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    if ctx.t_sent:  # not the first attempt: the previous one failed
+                        ctx.new_attempt(state["failed"], self.tracing.end_attempt(ctx, state["failed"]))
+                    return await self._attempt(request, ctx, api, parsed, body, watchdog,
+                                               headers_in, state, tried)
+        except AttemptFailed as e:
+            return self._final_failure(ctx, api, e)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _pick(self, ctx: RequestContext, family: str, tried: list[Replica]) -> tuple[Replica, str]:
+        """An untried replica of the model, else any healthy one of it (a retry after
+        Retry-After may go back), else the model's fallbacks in order."""
+        chain = (ctx.model,) + tuple(self.cfg.fallbacks.get(ctx.model or "", ()))
+        last: GatewayError | None = None
+        for model in chain:
+            for exclude in (tried, ()):
+                try:
+                    return self.router.pick(model, family, exclude)
+                except GatewayError as e:
+                    last = e
+        assert last is not None
+        raise last
+
+    async def _attempt(self, request, ctx, api, parsed, body, watchdog, headers_in, state,
+                       tried) -> web.StreamResponse:
+        try:
+            replica, upstream_model = self._pick(ctx, api.FAMILY, tried)
+        except GatewayError as e:
+            if not tried:
+                raise
+            raise AttemptFailed("no_replica", e.status, e.message, e.code, retryable=False) from None
+        tried.append(replica)
+        timeouts = replica.cfg.timeouts.tightened(headers_in)
+        ctx.backend = replica.name
+        state["provider"] = replica.cfg.provider
+        ctx.server_address, ctx.server_port = replica.address, replica.port
+        ctx.upstream_model = upstream_model
+        send = dict(parsed)
+        changed = api.prepare_request(ctx, send)
+        if upstream_model != send.get("model"):
+            send["model"] = upstream_model
+            changed = True
+        data = orjson.dumps(send) if changed else body
+        headers = upstream_request_headers(headers_in, forward_auth=replica.cfg.forward_client_auth)
+        headers["Content-Type"] = "application/json"
+        headers["X-Request-Id"] = ctx.request_id
+        if replica.api_key:
+            headers.update(backends.backend_type(replica.cfg.type).auth_headers(replica.api_key))
+        url = replica.cfg.base_url + api.ROUTES[ctx.route]
+        ctx.t_sent = now_ns()
+        ctx.t_dispatched = ctx.t_dispatched or ctx.t_sent
+        watchdog.attempt(timeouts.first_token_s if ctx.stream else timeouts.total_s,
+                         timeouts.idle_s)
+        self.tracing.upstream_attempt(ctx, headers, replica.cfg.propagate_trace)
+        try:
+            result = await self._exchange(request, ctx, api, replica, url, data, headers,
+                                          watchdog, state)
+        except AttemptFailed as e:
+            state["failed"] = e.result
+            self.metrics.attempts.labels(replica.name, e.result).inc()
+            if e.result not in ("http_429",):  # rate limits are not ill health
+                replica.breaker.failure()
+            up = state.pop("up", None)
+            state["up"] = None
+            if up is not None:
+                up.close()
+            raise
+        self.metrics.attempts.labels(replica.name, "ok").inc()
+        replica.breaker.success()
+        return result
+
+    async def _exchange(self, request, ctx, api, replica, url, data, headers, watchdog,
+                        state) -> web.StreamResponse:
+        try:
+            up = await replica.session.post(url, data=data, headers=headers,
+                                            trace_request_ctx=ctx)
+        except asyncio.CancelledError:
+            reason = watchdog.claim()
+            if reason is None:
+                raise
+            raise before_commit_failure(reason) from None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise AttemptFailed("connect_error", 502, f"Backend '{replica.name}' is unreachable: "
+                                f"{type(e).__name__}.", "upstream_unreachable") from None
+        state["up"] = up
+        ctx.t_headers = now_ns()
+        ctx.status = up.status
+        extra = ((REQUEST_ID_HEADER, ctx.request_id),)
+        if up.status in self.retry.statuses:
+            raise await self._retryable_status(up, extra)
+        ctype = up.headers.get("Content-Type", "")
+        try:
+            if up.status != 200 or not ctx.stream or not ctype.startswith("text/event-stream"):
+                return await self._whole(ctx, up, api, extra)
+        except asyncio.CancelledError:
+            reason = watchdog.claim()
+            if reason is None:
+                raise
+            raise before_commit_failure(reason) from None
+        headers_out = client_response_headers(up.headers, event_stream=True, extra=extra)
+        relay = Relay(request, ctx, up, api.StreamObserver(ctx), api, headers_out,
+                      hold_until_first_token=self.hold_until_first_token, watchdog=watchdog,
+                      keepalive_s=self.keepalive_s)
+        return await relay.run()
+
+    async def _retryable_status(self, up: aiohttp.ClientResponse, extra) -> AttemptFailed:
+        """A 429/5xx before anything was committed: worth another attempt, unless the upstream
+        asks for a longer wait than we may spend."""
+        body = await _read_bounded(up, MAX_ERROR_BODY)
+        headers = dict(client_response_headers(up.headers, event_stream=False, extra=extra))
+        retry_after = _retry_after_s(up.headers)
+        retryable = retry_after is None or retry_after <= self.retry.retry_after_cap_s
+        return AttemptFailed(f"http_{up.status}", up.status, f"Upstream answered {up.status}.",
+                             f"upstream_{up.status}", retryable=retryable,
+                             retry_after_s=retry_after, response=(up.status, headers, body))
+
+    def _final_failure(self, ctx: RequestContext, api, e: AttemptFailed) -> web.Response:
+        """Retries are over: the last upstream error response passes through as it was;
+        otherwise the gateway's own error in the client's format."""
+        ctx.status = e.status
+        if e.response is not None:
+            ctx.finish(UPSTREAM_ERROR, str(e.status))
+            status, headers, body = e.response
+            return web.Response(status=status, body=body, headers=headers)
+        outcome = TIMEOUT if e.code in (deadlines.FIRST_TOKEN, deadlines.TOTAL) else UPSTREAM_ERROR
+        if e.code == deadlines.SHUTDOWN:
+            outcome = GATEWAY_ERROR
+        ctx.finish(outcome, e.code)
+        return self._error(ctx, api, GatewayError(e.status, e.message, e.code, outcome=outcome))
+
+    async def _whole(self, ctx: RequestContext, up: aiohttp.ClientResponse, api,
+                     extra) -> web.StreamResponse:
         """A response that is not an event stream (non-stream answer or an upstream error):
         read it whole and pass status, headers and body through."""
-        body = await up.content.read(MAX_ERROR_BODY if up.status >= 400 else -1)
+        body = await _read_bounded(up, MAX_ERROR_BODY if up.status >= 400 else None)
         t = now_ns()
         ctx.t_first_event = ctx.t_first_token = ctx.t_last_token = t
         if up.status < 400:
@@ -149,3 +305,39 @@ class Proxy:
         return web.Response(status=e.status, body=api.error_body(e.status, e.message, e.code,
                                                                   e.param),
                             content_type="application/json", headers=headers)
+
+
+async def _read_bounded(up: aiohttp.ClientResponse, limit: int | None) -> bytes:
+    """The whole body, or its first `limit` bytes."""
+    if limit is None:
+        return await up.read()
+    parts, size = [], 0
+    async for chunk in up.content.iter_any():
+        parts.append(chunk)
+        size += len(chunk)
+        if size >= limit:
+            break
+    return b"".join(parts)[:limit]
+
+
+def _retry_after_s(headers) -> float | None:
+    """Retry-After (seconds or an HTTP date) or retry-after-ms, in seconds."""
+    ms = headers.get("retry-after-ms")
+    if ms is not None:
+        try:
+            return max(0.0, float(ms) / 1e3)
+        except ValueError:
+            pass
+    value = headers.get("Retry-After")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        from email.utils import parsedate_to_datetime
+        import time
+
+        try:
+            return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+        except (TypeError, ValueError):
+            return None

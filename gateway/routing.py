@@ -1,15 +1,18 @@
 """Routing: which backend replica serves a model (round-robin among replicas for now)."""
 from __future__ import annotations
 
+import asyncio
 import itertools
 from types import SimpleNamespace
-from typing import Iterator
+from typing import Callable, Collection, Iterator
 from urllib.parse import urlsplit
 
 import aiohttp
 
 import backends
-from gateway.config import BackendConfig
+from gateway import health
+from gateway.config import BackendConfig, BreakerPolicy
+from gateway.health import Breaker
 from gateway.context import RequestContext, now_ns
 from gateway.errors import GatewayError
 
@@ -35,16 +38,21 @@ def _connect_tracing() -> aiohttp.TraceConfig:
 
 
 class Replica:
-    """One configured backend: its config and its own connection pool."""
+    """One configured backend: its config, its own connection pool and its health."""
 
-    __slots__ = ("cfg", "session", "api_key", "address", "port")
+    __slots__ = ("cfg", "session", "api_key", "address", "port", "breaker", "healthy",
+                 "_health_task")
 
-    def __init__(self, cfg: BackendConfig, connect_timeout_s: float) -> None:
+    def __init__(self, cfg: BackendConfig, breaker: BreakerPolicy,
+                 on_state: Callable[[str, int], None] = lambda name, state: None) -> None:
         self.cfg = cfg
         self.api_key = cfg.api_key()
         url = urlsplit(cfg.base_url)
         self.address = url.hostname or ""
         self.port = url.port or (443 if url.scheme == "https" else 80)
+        self.breaker = Breaker(breaker, lambda state: on_state(cfg.name, state))
+        self.healthy = True  # from active checks (always true without them)
+        self._health_task: asyncio.Task | None = None
         connector = aiohttp.TCPConnector(limit=cfg.pool_size, limit_per_host=cfg.pool_size,
                                          enable_cleanup_closed=True)
         self.session = aiohttp.ClientSession(
@@ -52,7 +60,7 @@ class Replica:
             # No total or read timeout: streams may legitimately run for minutes. Deadlines
             # are the gateway's own business (first token, idle, total), not the pool's.
             timeout=aiohttp.ClientTimeout(total=None, connect=None,
-                                          sock_connect=connect_timeout_s),
+                                          sock_connect=cfg.timeouts.connect_s),
             auto_decompress=True,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
             trace_configs=[_connect_tracing()],
@@ -62,14 +70,33 @@ class Replica:
     def name(self) -> str:
         return self.cfg.name
 
+    def available(self) -> bool:
+        return self.healthy and self.breaker.available()
+
+    def start_health_checks(self) -> None:
+        if self.cfg.health_path:
+            parts = urlsplit(self.cfg.base_url)
+            url = f"{parts.scheme}://{parts.netloc}{self.cfg.health_path}"
+            self._health_task = asyncio.create_task(health.check_forever(
+                url, self.cfg.health_interval_s, self.session, self._report_health))
+
+    def _report_health(self, ok: bool) -> None:
+        if ok != self.healthy:
+            health.log.warning("backend %s is %s (active check)", self.name,
+                               "healthy again" if ok else "unhealthy")
+        self.healthy = ok
+
     async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
         await self.session.close()
 
 
 class Router:
     def __init__(self, replicas: list[Replica]) -> None:
         self.replicas = replicas
-        self._cycles: dict[tuple[str, str], Iterator[Replica]] = {}
+        self._cands: dict[tuple[str, str], list[Replica]] = {}
+        self._cycles: dict[tuple[str, str], Iterator[int]] = {}
         self._known = frozenset(self.models())
 
     def model_label(self, model: str) -> str:
@@ -92,20 +119,45 @@ class Router:
         named = [r for r in speaks if model in r.cfg.models or model in r.cfg.aliases]
         return named or [r for r in speaks if r.cfg.wildcard]
 
-    def pick(self, model: str, family: str) -> tuple[Replica, str]:
-        """A replica serving this model in this API family, and the model name to send
-        upstream."""
-        # Bounded: only configured names get their own cycle; wildcard traffic shares one.
+    def replicas_for(self, model: str, family: str) -> list[Replica]:
+        # Bounded: only configured names get their own entry; wildcard traffic shares one.
         key = (model if model in self._known else "*", family)
-        cycle = self._cycles.get(key)
-        if cycle is None:
-            candidates = self._candidates(model, family)
-            if not candidates:
-                raise GatewayError(404, f"The model '{model}' does not exist or is not served by "
-                                   "this gateway.", "model_not_found", param="model")
-            cycle = self._cycles[key] = itertools.cycle(candidates)
-        replica = next(cycle)
-        return replica, replica.cfg.aliases.get(model, model)
+        cands = self._cands.get(key)
+        if cands is None:
+            cands = self._cands[key] = self._candidates(model, family)
+            self._cycles[key] = itertools.cycle(range(len(cands)))
+        return cands
+
+    def pick(self, model: str, family: str,
+             exclude: Collection[Replica] = ()) -> tuple[Replica, str]:
+        """A replica serving this model in this API family (round-robin among the healthy
+        ones not in `exclude`), and the model name to send upstream."""
+        cands = self.replicas_for(model, family)
+        if not cands:
+            raise GatewayError(404, f"The model '{model}' does not exist or is not served by "
+                               "this gateway.", "model_not_found", param="model")
+        cycle = self._cycles[(model if model in self._known else "*", family)]
+        for _ in range(len(cands)):
+            replica = cands[next(cycle)]
+            if replica in exclude or not replica.healthy:
+                continue
+            if replica.breaker.acquire():
+                return replica, replica.cfg.aliases.get(model, model)
+        untried = [r for r in cands if r not in exclude]
+        wait = min((r.breaker.retry_after_s() for r in untried), default=1.0)
+        raise GatewayError(503, f"No healthy backend for the model '{model}' right now.",
+                           "no_healthy_backend", outcome="upstream_error",
+                           headers={"Retry-After": str(max(1, round(wait)))})
+
+    def unavailable_models(self) -> list[str]:
+        """Configured models with no replica that could take a request now (for /readyz)."""
+        out = []
+        for model in self.models() or ["*"]:
+            reps = [r for r in self.replicas if model in r.cfg.models or model in r.cfg.aliases
+                    or (model == "*" and r.cfg.wildcard)]
+            if reps and not any(r.available() for r in reps):
+                out.append(model)
+        return out
 
     async def close(self) -> None:
         for r in self.replicas:

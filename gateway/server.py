@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
 
 import orjson
@@ -12,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 import backends
 from backends import openai as openai_api
 from gateway import config as config_mod
+from gateway import deadlines
 from gateway.config import Config
 from gateway.errors import GatewayError
 from gateway.finish import Finisher
@@ -27,6 +29,7 @@ ROUTER_KEY = web.AppKey("router", Router)
 PROXY_KEY = web.AppKey("proxy", Proxy)
 METRICS_KEY = web.AppKey("metrics", Metrics)
 FINISHER_KEY = web.AppKey("finisher", Finisher)
+DRAINING_KEY = web.AppKey("draining", asyncio.Event)
 
 
 def build_app(cfg: Config, *, tracing: Tracing | None = None,
@@ -36,19 +39,21 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
     # The body limit is enforced by ingress (with a clear error), not by aiohttp's reader.
     app = web.Application(client_max_size=cfg.server.max_body_bytes + 1)
     app[CONFIG_KEY] = cfg
+    app[DRAINING_KEY] = asyncio.Event()
     metrics = Metrics(cfg.slo.thresholds_s(), cfg.slo.classes, [b.name for b in cfg.backends])
     app[METRICS_KEY] = metrics
 
     async def startup(app: web.Application) -> None:
-        replicas = [Replica(b, cfg.server.connect_timeout_s) for b in cfg.backends]
+        replicas = [Replica(b, cfg.breaker, lambda name, st: metrics.breaker.labels(name).set(st))
+                    for b in cfg.backends]
+        for r in replicas:
+            r.start_health_checks()
         router = Router(replicas)
         app[ROUTER_KEY] = router
         finisher = Finisher(metrics, tracing or Tracing(cfg.telemetry),
                             otlp_metrics or OTLPMetrics(cfg.telemetry))
         app[FINISHER_KEY] = finisher
-        app[PROXY_KEY] = Proxy(router, finisher, cfg.slo, cfg.auth,
-                               max_body_bytes=cfg.server.max_body_bytes,
-                               commit=cfg.server.commit)
+        app[PROXY_KEY] = Proxy(cfg, router, finisher)
 
     async def cleanup(app: web.Application) -> None:
         await app[ROUTER_KEY].close()
@@ -82,6 +87,12 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
         return web.json_response({"status": "ok"}, dumps=_dumps)
 
     async def readyz(request: web.Request) -> web.Response:
+        if request.app[DRAINING_KEY].is_set():
+            return web.json_response({"status": "draining"}, status=503, dumps=_dumps)
+        down = request.app[ROUTER_KEY].unavailable_models()
+        if down:
+            return web.json_response({"status": "unavailable", "models_without_backend": down},
+                                     status=503, dumps=_dumps)
         return web.json_response({"status": "ready"}, dumps=_dumps)
 
     async def not_found(request: web.Request) -> web.Response:
@@ -115,6 +126,47 @@ def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+async def drain(app: web.Application, timeout_s: float) -> None:
+    """Wait for requests in flight to finish, up to `timeout_s`; then end the rest (streams
+    get an error event in their API format)."""
+    proxy = app[PROXY_KEY]
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while proxy.active and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    if proxy.active:
+        log.warning("drain: ending %d requests still in flight after %.0f s",
+                    len(proxy.active), timeout_s)
+        proxy.end_all(deadlines.SHUTDOWN)
+        while proxy.active:
+            await asyncio.sleep(0.01)
+
+
+async def serve(cfg: Config, host: str, port: int) -> None:
+    """Serve until SIGTERM/SIGINT, then drain: /readyz turns false, listening stops after the
+    readiness grace, requests in flight get the drain timeout."""
+    app = build_app(cfg)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=cfg.server.drain_timeout_s + 5)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    names = ", ".join(f"{b.name} ({b.base_url})" for b in cfg.backends)
+    log.info("slogate listening on http://%s:%d, backends: %s", host, port, names)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("slogate: draining (up to %.0f s)", cfg.server.drain_timeout_s)
+    app[DRAINING_KEY].set()
+    if cfg.server.readiness_grace_s:
+        await asyncio.sleep(cfg.server.readiness_grace_s)
+    await site.stop()  # no new connections
+    await drain(app, cfg.server.drain_timeout_s)
+    await runner.cleanup()
+    log.info("slogate: stopped")
+
+
 def run(config_path: str, host: str | None = None, port: int | None = None) -> int:
     setup_logging()
     try:
@@ -124,11 +176,5 @@ def run(config_path: str, host: str | None = None, port: int | None = None) -> i
         return 2
     if not cfg.server.access_log:
         logging.getLogger("slogate.access").setLevel(logging.WARNING)
-    host = host or cfg.server.host
-    port = cfg.server.port if port is None else port
-    app = build_app(cfg)
-    names = ", ".join(f"{b.name} ({b.base_url})" for b in cfg.backends)
-    web.run_app(app, host=host, port=port, handler_cancellation=True, access_log=None,
-                print=lambda _: log.info("slogate listening on http://%s:%d, backends: %s",
-                                         host, port, names))
+    asyncio.run(serve(cfg, host or cfg.server.host, cfg.server.port if port is None else port))
     return 0

@@ -117,6 +117,24 @@ class Tracing:
         if propagate:
             _PROPAGATOR.inject(out_headers, context=trace.set_span_in_context(span))
 
+    def end_attempt(self, ctx: RequestContext, result: str) -> Any:
+        """End the current attempt's CLIENT span as failed (the next attempt is its
+        sibling)."""
+        spans: RequestSpans | None = ctx.trace
+        if spans is None or spans.upstream is None:
+            return None
+        span, spans.upstream = spans.upstream, None
+        attrs: dict[str, Any] = {"error.type": result, "slogate.backend": ctx.backend or ""}
+        if ctx.status:
+            attrs["http.response.status_code"] = ctx.status
+        if ctx.server_address:
+            attrs["server.address"] = ctx.server_address
+            attrs["server.port"] = ctx.server_port or 0
+        span.set_attributes(attrs)
+        span.set_status(Status(StatusCode.ERROR, result))
+        span.end(end_time=epoch_ns(time.monotonic_ns()))
+        return span
+
     def finish(self, ctx: RequestContext, operation: str, provider: str) -> None:
         spans: RequestSpans | None = ctx.trace
         if spans is None:
@@ -181,7 +199,8 @@ class Tracing:
         if up is not None:
             up_ctx = trace.set_span_in_context(up)
             up_attrs: dict[str, Any] = {"gen_ai.operation.name": operation,
-                                        "gen_ai.provider.name": provider}
+                                        "gen_ai.provider.name": provider,
+                                        "slogate.backend": ctx.backend or ""}
             if ctx.server_address:
                 up_attrs["server.address"] = ctx.server_address
                 up_attrs["server.port"] = ctx.server_port or 0

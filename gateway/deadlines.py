@@ -1,0 +1,86 @@
+"""The deadlines of one request, enforced by one timer (no per-read timer churn).
+
+Reads only store a timestamp on the context (`t_last_event`); the timer re-arms itself when it
+fires before a deadline has really passed. When one has, it records why and cancels the
+request's task; the code that catches the CancelledError asks `fired` to tell a deadline (or a
+drain) from a client that went away.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from gateway.context import RequestContext, now_ns
+
+FIRST_TOKEN = "first_token_timeout"
+IDLE = "idle_timeout"
+TOTAL = "total_timeout"
+SHUTDOWN = "shutdown"
+
+
+class Watchdog:
+    __slots__ = ("ctx", "task", "loop", "first_token_at", "idle_ns", "total_at", "handle",
+                 "fired")
+
+    def __init__(self, ctx: RequestContext, total_at: int, idle_s: float) -> None:
+        self.ctx = ctx
+        self.task = asyncio.current_task()
+        self.loop = asyncio.get_running_loop()
+        self.total_at = total_at
+        self.first_token_at = total_at
+        self.idle_ns = int(idle_s * 1e9)
+        self.handle: asyncio.TimerHandle | None = None
+        self.fired: str | None = None
+        self._arm()
+
+    def attempt(self, first_token_s: float, idle_s: float) -> None:
+        """A new upstream attempt starts now: its own first-token deadline (and idle gap)."""
+        self.first_token_at = min(now_ns() + int(first_token_s * 1e9), self.total_at)
+        self.idle_ns = int(idle_s * 1e9)
+        self._arm()
+
+    def _due(self) -> int:
+        ctx = self.ctx
+        if not ctx.t_first_token:
+            return min(self.first_token_at, self.total_at)
+        return min(max(ctx.t_last_event, ctx.t_first_token) + self.idle_ns, self.total_at)
+
+    def _arm(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+        delay = (self._due() - now_ns()) / 1e9
+        self.handle = self.loop.call_later(max(0.0, delay), self._check)
+
+    def _check(self) -> None:
+        if self.fired is not None:
+            return
+        now = now_ns()
+        ctx = self.ctx
+        if now >= self.total_at:
+            self.fire(TOTAL)
+        elif not ctx.t_first_token:
+            if now >= self.first_token_at:
+                self.fire(FIRST_TOKEN)
+            else:
+                self._arm()
+        elif now >= max(ctx.t_last_event, ctx.t_first_token) + self.idle_ns:
+            self.fire(IDLE)
+        else:
+            self._arm()
+
+    def fire(self, reason: str) -> None:
+        """End the request now for `reason` (a deadline, or the gateway shutting down)."""
+        if self.fired is None and self.task is not None and not self.task.done():
+            self.fired = reason
+            self.task.cancel()
+
+    def claim(self) -> str | None:
+        """In an `except CancelledError`: the reason if this watchdog caused it (the task is
+        un-cancelled so the request can still answer), None if the client went away."""
+        if self.fired is not None and self.task is not None:
+            self.task.uncancel()
+        return self.fired
+
+    def stop(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None

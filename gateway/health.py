@@ -1,0 +1,89 @@
+"""Replica health: a circuit breaker fed by request outcomes, and optional active checks."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+import aiohttp
+
+from gateway.config import BreakerPolicy
+
+log = logging.getLogger("slogate.health")
+
+CLOSED, HALF_OPEN, OPEN = 0, 1, 2
+STATE_NAMES = {CLOSED: "closed", HALF_OPEN: "half_open", OPEN: "open"}
+
+
+class Breaker:
+    """Consecutive failures open it for a cooldown; then one request is let through as a
+    probe, and its outcome closes or re-opens it."""
+
+    __slots__ = ("policy", "state", "failures", "opened_at", "probing", "on_change")
+
+    def __init__(self, policy: BreakerPolicy, on_change: Callable[[int], None]) -> None:
+        self.policy = policy
+        self.state = CLOSED
+        self.failures = 0
+        self.opened_at = 0.0
+        self.probing = False
+        self.on_change = on_change
+
+    def _set(self, state: int) -> None:
+        if state != self.state:
+            self.state = state
+            self.on_change(state)
+
+    def available(self, now: float | None = None) -> bool:
+        """Could a request go here now (without claiming the half-open probe)?"""
+        if self.state == CLOSED:
+            return True
+        if self.state == OPEN:
+            return (now or time.monotonic()) - self.opened_at >= self.policy.cooldown_s
+        return not self.probing
+
+    def acquire(self) -> bool:
+        """Claim this replica for a request; False if the breaker forbids it."""
+        if self.state == CLOSED:
+            return True
+        now = time.monotonic()
+        if self.state == OPEN and now - self.opened_at >= self.policy.cooldown_s:
+            self._set(HALF_OPEN)
+            self.probing = False
+        if self.state == HALF_OPEN and not self.probing:
+            self.probing = True
+            return True
+        return False
+
+    def retry_after_s(self) -> float:
+        if self.state != OPEN:
+            return 1.0
+        return max(0.0, self.policy.cooldown_s - (time.monotonic() - self.opened_at))
+
+    def success(self) -> None:
+        self.failures = 0
+        self.probing = False
+        self._set(CLOSED)
+
+    def failure(self) -> None:
+        self.failures += 1
+        self.probing = False
+        if self.state == HALF_OPEN or self.failures >= self.policy.failures:
+            self.opened_at = time.monotonic()
+            self._set(OPEN)
+
+
+async def check_forever(url: str, interval_s: float, session: aiohttp.ClientSession,
+                        report: Callable[[bool], None]) -> None:
+    """GET `url` every interval; 2xx is healthy, anything else (or no answer within the
+    interval) is not."""
+    timeout = aiohttp.ClientTimeout(total=interval_s)
+    while True:
+        try:
+            async with session.get(url, timeout=timeout) as r:
+                ok = 200 <= r.status < 300
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            ok = False
+        report(ok)
+        await asyncio.sleep(interval_s)
