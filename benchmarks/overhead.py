@@ -609,7 +609,9 @@ def render(results: dict[str, Any]) -> str:
         "CPU use during the window, as % of one core, and in brackets the time the process "
         "was runnable but waiting for its core (schedstat run-queue wait, % of the window). "
         "A saturated core, or a large wait (other work on the machine), makes the latency "
-        "columns above a measurement of that, not of the gateway; µs/token stays meaningful.",
+        "columns above a measurement of that, not of the gateway. µs/token is affected less, but "
+        "it falls when the gateway runs late (more events per read and per write): compare it "
+        "between runs with similar waits.",
         "",
         "| streams | path | gateway CPU % | sim CPU % | load generator CPU % "
         "| headers p50 | first byte p50 | +headers p50 | +first byte p50 |",
