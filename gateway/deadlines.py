@@ -38,6 +38,11 @@ class Watchdog:
         self.idle_ns = int(idle_s * 1e9)
         self._arm()
 
+    def first_token(self) -> None:
+        """The first token arrived: from now on the idle gap is what can run out (it may be
+        due earlier than the first-token deadline the timer was set for)."""
+        self._arm()
+
     def _due(self) -> int:
         ctx = self.ctx
         if not ctx.t_first_token:

@@ -53,7 +53,8 @@ def client_response_headers(upstream: CIMultiDictProxy[str], *, event_stream: bo
             continue
         out.add(name, value)
     if event_stream:
-        out["Cache-Control"] = "no-cache"
+        # no-transform: intermediaries must not re-encode (compress) the stream (RFC 9111).
+        out["Cache-Control"] = "no-cache, no-transform"
         out["X-Accel-Buffering"] = "no"
     for name, value in extra:
         out[name] = value

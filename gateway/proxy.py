@@ -181,10 +181,13 @@ class Proxy:
                        tried) -> web.StreamResponse:
         try:
             replica, upstream_model = self._pick(ctx, api.FAMILY, tried)
-        except GatewayError as e:
+        except GatewayError:
             if not tried:
                 raise
-            raise AttemptFailed("no_replica", e.status, e.message, e.code, retryable=False) from None
+            # Nowhere left to go: the client hears about the last real failure.
+            last: AttemptFailed = state["last_failure"]
+            last.retryable = False
+            raise last from None
         tried.append(replica)
         timeouts = replica.cfg.timeouts.tightened(headers_in)
         ctx.backend = replica.name
@@ -213,6 +216,7 @@ class Proxy:
                                           watchdog, state)
         except AttemptFailed as e:
             state["failed"] = e.result
+            state["last_failure"] = e
             self.metrics.attempts.labels(replica.name, e.result).inc()
             if e.result not in ("http_429",):  # rate limits are not ill health
                 replica.breaker.failure()

@@ -130,6 +130,7 @@ class Relay:
         on_event = self.observer.on_event
         pending = b""  # start of an incomplete event
         drop_lf = False  # a dropped event ended in CR: the LF opening the next read is its
+        idle_armed = False
         try:
             async for chunk in self.up.content.iter_any():
                 t = now_ns()
@@ -147,6 +148,9 @@ class Relay:
                             (drops := drops or []).append((start, end))
                             if end == len(buf) and parser.skip_lf:
                                 drop_lf = True
+                    if not idle_armed and ctx.t_first_token:
+                        self.watchdog.first_token()
+                        idle_armed = True
                 hold_from = parser.hold_from
                 if hold_from is None:
                     cut = len(buf)

@@ -69,10 +69,11 @@ async def slogate(*args: str, ready_path: str, env: dict[str, str] | None = None
 
 @contextlib.asynccontextmanager
 async def sim_and_gateway(sim_args: tuple[str, ...] = (), config_toml: str = "") -> AsyncIterator[tuple[Proc, Proc]]:
-    """The simulator and a gateway in front of it, both as real processes."""
+    """The simulator and a gateway in front of it, both as real processes. In `config_toml`,
+    SIM_URL stands for the simulator's base URL."""
     async with slogate("sim", *sim_args, ready_path="/health") as sim:
         cfg = Path(tempfile.mkstemp(prefix="slogate-", suffix=".toml")[1])
-        cfg.write_text(config_toml or f"""
+        cfg.write_text(config_toml.replace("SIM_URL", sim.url) if config_toml else f"""
 [auth]
 mode = "open"
 [server]

@@ -8,11 +8,12 @@ from aiohttp import web
 
 
 @contextlib.asynccontextmanager
-async def serve_app(app: web.Application, host: str = "127.0.0.1") -> AsyncIterator[str]:
-    """Run `app` on an ephemeral port; yields its base URL (http://host:port)."""
+async def serve_app(app: web.Application, host: str = "127.0.0.1",
+                    port: int = 0) -> AsyncIterator[str]:
+    """Run `app` on `port` (default: an ephemeral one); yields its base URL."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, 0)
+    site = web.TCPSite(runner, host, port)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:

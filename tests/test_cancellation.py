@@ -23,7 +23,7 @@ def body(prompt_chars: int = 20, max_tokens: int = 200) -> dict:
             "messages": [{"role": "user", "content": "x" * prompt_chars}]}
 
 
-@pytest.mark.parametrize("phase", ["queued", "prefill", "decode"])
+@pytest.mark.parametrize("phase", ["queued", "headers", "prefill", "decode"])
 async def test_disconnect_reaches_the_engine_within_100ms(phase: str) -> None:
     # One sequence at a time, slow prefill: a second request waits in the engine's queue, a
     # big prompt sits in prefill, a running one decodes.
@@ -44,6 +44,11 @@ async def test_disconnect_reaches_the_engine_within_100ms(phase: str) -> None:
                 await asyncio.sleep(0.3)
                 assert (await sim_stats(s, sim_url))["waiting"] == 1
                 await_task.cancel()
+            elif phase == "headers":  # the engine has not even answered with headers yet
+                victim = asyncio.create_task(s.post(url, json=body(),
+                                                    headers={"x-sim-hang": "headers"}))
+                await asyncio.sleep(0.3)
+                victim.cancel()
             elif phase == "prefill":
                 # ~8000 prompt tokens at 2000 tok/s: 4 s of prefill.
                 victim = asyncio.create_task(s.post(url, json=body(prompt_chars=32000)))
@@ -56,14 +61,15 @@ async def test_disconnect_reaches_the_engine_within_100ms(phase: str) -> None:
                 await r.content.readuntil(b"\n\n")
                 r.close()
             t_cancel = time.monotonic()
+            engine_phase = "queued" if phase == "headers" else phase  # the sim never queued it
             for _ in range(100):
                 stats = await sim_stats(s, sim_url)
-                if stats["cancellations"].get(phase):
+                if stats["cancellations"].get(engine_phase):
                     break
                 await asyncio.sleep(0.005)
             elapsed = time.monotonic() - t_cancel
             counted = {k: v for k, v in stats["cancellations"].items() if v}
-            assert counted == {phase: 1}, counted
+            assert counted == {engine_phase: 1}, counted
             assert elapsed < 0.1, elapsed
             if blocker is not None:
                 (await blocker).close()

@@ -144,7 +144,7 @@ async def test_response_headers_event_stream() -> None:
                 await r.read()
                 got = r.headers
     assert got["X-Accel-Buffering"] == "no"
-    assert got["Cache-Control"] == "no-cache"
+    assert got["Cache-Control"] == "no-cache, no-transform"
     assert "Content-Length" not in got
     assert "Content-Encoding" not in got
     assert "X-Hop" not in got and "Keep-Alive" not in got
