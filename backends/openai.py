@@ -1,8 +1,10 @@
-"""OpenAI-compatible backends: vLLM, SGLang, Ollama, llama.cpp server, OpenAI itself.
+"""OpenAI-compatible backends: vLLM, SGLang, Ollama, llama.cpp server, OpenAI itself (and the
+OpenAI-compatible APIs of Groq and Cerebras, whose extras are read here too).
 
 Knows this API family's paths, how to authenticate upstream, what the client's request must
-look like upstream (usage injection), how to read its stream (what is a token, where usage and
-errors are; wire-and-telemetry.md §1.5-§1.8, §5.1) and how to write an error in its format.
+look like upstream (usage injection, field renames), how to read its stream (what is a token,
+where usage and errors are; wire-and-telemetry.md §1.5-§1.8, §3, §4, §5.1) and how to write an
+error in its format. The Responses API is a different wire format: backends/openai_responses.py.
 """
 from __future__ import annotations
 
@@ -10,38 +12,78 @@ from typing import Any
 
 import orjson
 
+import backends
 from gateway.context import RequestContext
 from gateway.sse import SSEEvent
 
 FAMILY = "openai"  # the API family this module's routes speak; backend types declare theirs
 
 # Client route -> path under the backend's base_url (which includes the /v1 prefix).
+# backends/__init__.py adds the routes that mirror these (Groq's /openai/v1/...).
 ROUTES = {
     "/v1/chat/completions": "/chat/completions",
     "/v1/completions": "/completions",
 }
 OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
 
+# Providers whose server sends usage whenever `stream_options` is present, unless
+# `include_usage` is false (vLLM's StreamOptions defaults include_usage to true, §5.1).
+USAGE_WHEN_STREAM_OPTIONS = frozenset({"vllm"})
+
 
 def auth_headers(api_key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"}
 
 
-def prepare_request(ctx: RequestContext, body: dict[str, Any]) -> bool:
-    """Adjust the parsed body for upstream; True if it changed.
+def prepare_request(ctx: RequestContext, body: dict[str, Any], backend: Any = None) -> bool:
+    """Adjust the parsed body (a shallow copy of the client's) for upstream; True if it changed.
 
-    For streams we ask for usage (`stream_options.include_usage`) when the client did not, and
-    remember to strip the usage-only chunk this causes, so the client sees what it asked for.
+    `backend` is the chosen replica's BackendConfig (None: treat it as OpenAI itself).
+    - `max_completion_tokens` becomes `max_tokens` for a backend with
+      `rename_max_completion_tokens` (llama.cpp's server ignores the newer name).
+    - For streams we ask for usage (`stream_options.include_usage`) when the client did not and
+      the backend would not send it anyway, and remember to strip the usage-only chunk this
+      causes, so the client sees exactly what it would have seen without the gateway.
     """
-    if not ctx.stream:
+    changed = False
+    if backend is not None and getattr(backend, "rename_max_completion_tokens", False):
+        changed = rename_max_completion_tokens(body)
+    if ctx.stream and _needs_usage_injection(body, backend):
+        opts = body.get("stream_options")
+        new_opts = dict(opts) if isinstance(opts, dict) else {}
+        new_opts["include_usage"] = True
+        body["stream_options"] = new_opts
+        ctx.usage_injected = True
+        changed = True
+    return changed
+
+
+def rename_max_completion_tokens(body: dict[str, Any]) -> bool:
+    """`max_completion_tokens` -> `max_tokens` (the smaller limit wins if both are set)."""
+    if "max_completion_tokens" not in body:
         return False
+    limit = body.pop("max_completion_tokens")
+    other = body.get("max_tokens")
+    if other is None:
+        body["max_tokens"] = limit
+    elif isinstance(limit, int) and isinstance(other, int):
+        body["max_tokens"] = min(limit, other)
+    return True
+
+
+def _needs_usage_injection(body: dict[str, Any], backend: Any) -> bool:
     opts = body.get("stream_options")
-    if isinstance(opts, dict) and opts.get("include_usage") is True:
+    asked = opts.get("include_usage") if isinstance(opts, dict) else None
+    if asked is True:
         return False
-    new_opts = dict(opts) if isinstance(opts, dict) else {}
-    new_opts["include_usage"] = True
-    body["stream_options"] = new_opts
-    ctx.usage_injected = True
+    if backend is not None:
+        # Groq (x_groq.usage) and Cerebras put usage in every stream unasked: asking would
+        # change nothing, and stripping what they send unasked would drop fields.
+        if getattr(backends.BACKEND_TYPES.get(backend.type), "USAGE_IN_EVERY_STREAM", False):
+            return False
+        if (asked is None and isinstance(opts, dict)
+                and getattr(backend, "provider", "") in USAGE_WHEN_STREAM_OPTIONS):
+            return False
     return True
 
 
@@ -72,7 +114,7 @@ def error_body(status: int, message: str, code: str | None = None,
     }})
 
 
-def stream_error_event(message: str, code: str) -> bytes:
+def stream_error_event(message: str, code: str, ctx: RequestContext | None = None) -> bytes:
     """An in-band error for a stream already committed to the client (§1.6): the SDK raises
     APIError on a data object with a top-level `error`."""
     return b"data: " + orjson.dumps({"error": {
@@ -93,7 +135,7 @@ class StreamObserver:
 
     def __init__(self, ctx: RequestContext) -> None:
         self.ctx = ctx
-        self.chat = ctx.route == "/v1/chat/completions"
+        self.chat = OPERATIONS[ctx.route] == "chat"
 
     def on_event(self, ev: SSEEvent, t: int) -> bool:
         ctx = self.ctx
@@ -182,20 +224,30 @@ def _seconds(value: Any) -> float | None:
     return None
 
 
+_TIMING_KEYS = ("queue_time", "prompt_time", "completion_time")
+
+
 def read_server_timing(ctx: RequestContext, obj: dict[str, Any]) -> None:
-    """Stages the provider reported about itself, in seconds (wire-and-telemetry.md §10):
-    Groq `x_groq.usage` (queue_time, prompt_time, completion_time), Cerebras `time_info`
-    (same names), vLLM `metrics` (queue_time_ms; its TTFT counts from arrival, so TTFT minus
-    queue is its prefill; its generation_time_ms is not clearly decode-only, so not used)."""
+    """Stages the provider reported about itself, in seconds (wire-and-telemetry.md §10).
+
+    - Groq: streamed, `x_groq.usage` on the final chunk; non-streamed, the top-level `usage`
+      (there `x_groq.usage` is hardware cache statistics). Fields queue_time, prompt_time,
+      completion_time.
+    - Cerebras: `time_info` with the same names.
+    - vLLM (`--enable-per-request-metrics`): `metrics` with queue_time_ms and
+      time_to_first_token_ms counted from arrival, so TTFT minus queue is its prefill; its
+      generation_time_ms is not clearly decode-only, so it is not used.
+    """
     timing = None
     groq = obj.get("x_groq")
-    if isinstance(groq, dict) and isinstance(groq.get("usage"), dict):
-        timing = groq["usage"]
+    for candidate in (groq.get("usage") if isinstance(groq, dict) else None, obj.get("usage"),
+                      obj.get("time_info")):
+        if isinstance(candidate, dict) and any(k in candidate for k in _TIMING_KEYS):
+            timing = candidate
+            break
+    if timing is not None:
         if ctx.completion_tokens is None:
             read_usage(ctx, timing)
-    elif isinstance(obj.get("time_info"), dict):
-        timing = obj["time_info"]
-    if timing is not None:
         ctx.provider_queue_s = _seconds(timing.get("queue_time"))
         ctx.provider_prefill_s = _seconds(timing.get("prompt_time"))
         ctx.provider_decode_s = _seconds(timing.get("completion_time"))
