@@ -8,6 +8,8 @@ from typing import Any
 
 # Values accepted for the `hang` knob / `x-sim-hang` header.
 HANG_MODES = ("", "headers", "first_token")
+# Provider flavours of OpenAI-format answers (`provider` knob / `x-sim-provider` header).
+PROVIDERS = ("vllm", "groq", "cerebras")
 
 
 def _k(default: Any, help: str, **kw: Any) -> Any:
@@ -26,6 +28,10 @@ class SimConfig:
     api_key: str = _k("", "if set, require 'Authorization: Bearer <key>' on /v1/* (like vllm --api-key)")
     force_include_usage: bool = _k(False, "always send the usage chunk on streams (vllm --enable-force-include-usage)")
     request_log_size: int = _k(200, "how many received requests GET /sim/requests keeps")
+    provider: str = _k("vllm", "flavour of OpenAI-format answers: vllm, groq (x_groq timings), cerebras "
+                       "(time_info, system_fingerprint); /openai/v1/* answers as groq", choices=PROVIDERS)
+    per_request_metrics: bool = _k(False, "vLLM's per-request `metrics` object on the usage chunk and "
+                                   "whole responses (vllm --enable-per-request-metrics)")
 
     # --- engine physics ------------------------------------------------------------------
     max_batch: int = _k(256, "max running sequences (vllm max_num_seqs)")
@@ -60,6 +66,10 @@ class SimConfig:
     ping_ms: float = _k(0.0, "send ': ping' SSE comments every N ms while no token flows (0 = off)")
     role_first: bool = _k(False, "send the role chunk right after the headers, not with the first token")
     output_tokens: int = _k(0, "force every output to this many tokens (0 = off)")
+    reasoning_tokens: int = _k(16, "reasoning tokens that open the answer when the request asks for reasoning "
+                               "(chat reasoning_effort, Responses reasoning, Anthropic thinking)")
+    fault_status_count: int = _k(-1, "answer only the first N requests with fault_status, then serve "
+                                 "normally (-1 = no limit)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -93,6 +103,9 @@ class SimConfig:
         need(self.hang in HANG_MODES, "hang", f"one of {HANG_MODES}")
         need(self.ping_ms >= 0, "ping_ms", "a number >= 0")
         need(self.output_tokens >= 0, "output_tokens", "an integer >= 0")
+        need(self.reasoning_tokens >= 0, "reasoning_tokens", "an integer >= 0")
+        need(self.fault_status_count >= -1, "fault_status_count", "-1 (no limit) or a count >= 0")
+        need(self.provider in PROVIDERS, "provider", f"one of {PROVIDERS}")
         need(self.request_log_size >= 0, "request_log_size", "an integer >= 0")
         need(len(self.served_model_names) >= 1 and all(isinstance(n, str) and n for n in self.served_model_names),
              "served_model_names", "a non-empty list of names")

@@ -1,23 +1,28 @@
 """Wire renderers: turn the engine's token ids and finished sequences into API bytes.
 
 Each streaming renderer is one object per request with precomputed byte templates, so a token
-costs two byte concatenations and no JSON encoding. The engine knows nothing about formats; the
-server picks a renderer per route. To add a provider format (Anthropic Messages, Responses API,
-Groq `x_groq`, Cerebras `time_info`) write another class with the same methods:
+costs a few byte concatenations and no JSON encoding. The engine knows nothing about formats;
+the server picks a renderer per route. Every renderer has these methods:
 
     opening(role_first) -> bytes   events written right after the response headers
     first(tid, role_sent) -> bytes the first token (with the role chunk unless sent already)
     token(tid) -> bytes            every later token
-    finish(seq, include_usage) -> bytes   finish chunk, usage, terminator
-    error(message, code) -> bytes  a mid-stream error event and terminator
+    finish(seq, include_usage) -> bytes   closing events, usage, terminator
+    error(message, status) -> bytes       a mid-stream error event and terminator
     ping: bytes                    a keep-alive that is not a token
 
+This module: the vocabulary, the answer's plan (`Output`: reasoning tokens first, then text or
+one tool call), the provider-reported timings, and the OpenAI chat / completions formats with
+their vLLM, Groq and Cerebras flavours. anthropic_format.py and responses_format.py hold the
+other two wire formats.
+
 `seq` (engine.Seq) carries prompt/completion counts, cached tokens and the monotonic stamps
-t_arrival, t_scheduled, t_prefill_done, t_first, t_last, t_end that the timing fields of the
-hosted-API formats need.
+t_arrival, t_scheduled, t_prefill_done, t_first, t_last, t_end that the timing fields need.
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -57,12 +62,51 @@ WORDS_JSON: list[bytes] = [orjson.dumps(w)[1:-1] for w in WORDS]
 assert len(WORDS) == 256
 
 
-def detokenize(tokens: bytes | bytearray, n: int) -> str:
-    return "".join([WORDS[t] for t in tokens[:n]])
+
+# Each token as a fragment of a JSON string that is itself inside a JSON string (tool-call
+# arguments are a JSON document streamed as string fragments): escaped twice.
+WORDS_ARG_JSON: list[bytes] = [orjson.dumps(w.decode())[1:-1] for w in WORDS_JSON]
+# A tool call's arguments are `{"text":"<the tokens>"}`; its opening and closing fragments,
+# escaped for a JSON string.
+ARGS_OPEN = orjson.dumps('{"text":"')[1:-1]
+ARGS_CLOSE = orjson.dumps('"}')[1:-1]
+
+
+def detokenize(tokens: bytes | bytearray, n: int, start: int = 0) -> str:
+    return "".join([WORDS[t] for t in tokens[start:n]])
+
+
+def tool_arguments(text: str) -> str:
+    """The arguments JSON a tool call streams, as one string (equals the joined fragments)."""
+    return orjson.dumps({"text": text}).decode()
 
 
 DONE = b"data: [DONE]\n\n"
 PING = b": ping\n\n"
+FINGERPRINT = "fp_slogate_sim"
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """What one answer is made of: the first `reasoning` tokens are reasoning, the rest are
+    text, or the arguments of one call of the tool named `tool`. `flavour` picks the provider
+    extras of OpenAI-format chunks (vllm, groq, cerebras)."""
+
+    reasoning: int = 0
+    tool: str | None = None
+    flavour: str = "vllm"
+    per_request_metrics: bool = False  # vLLM's `metrics` object (--enable-per-request-metrics)
+
+    def parts(self, seq: Any) -> tuple[str, str]:
+        """(reasoning text, text or tool-argument text) of a finished sequence."""
+        n = seq.generated
+        cut = min(self.reasoning, n)
+        return detokenize(seq.tokens, cut), detokenize(seq.tokens, n, cut)
+
+    def called_tool(self, seq: Any) -> bool:
+        """The answer got as far as the tool call."""
+        return self.tool is not None and seq.generated > self.reasoning
+
 
 # vLLM-style error type names (`type` is a class-like name, `code` the integer status).
 ERROR_TYPES = {
@@ -96,7 +140,7 @@ def error_body(message: str, status: int, param: str | None = None) -> bytes:
     return orjson.dumps(error_obj(message, status, param))
 
 
-def usage_obj(seq: Any) -> dict[str, Any]:
+def usage_obj(seq: Any, out: Output | None = None) -> dict[str, Any]:
     u: dict[str, Any] = {
         "prompt_tokens": seq.prompt_tokens,
         "completion_tokens": seq.generated,
@@ -104,63 +148,163 @@ def usage_obj(seq: Any) -> dict[str, Any]:
     }
     if seq.report_cached:
         u["prompt_tokens_details"] = {"cached_tokens": seq.cached_tokens}
+    if out is not None and out.reasoning:
+        u["completion_tokens_details"] = {"reasoning_tokens": min(out.reasoning, seq.generated)}
     return u
 
 
-def _head(rid: str, obj: str, created: int, model: str) -> bytes:
-    return (
-        b'{"id":' + orjson.dumps(rid) + b',"object":"' + obj.encode() + b'","created":'
-        + str(created).encode() + b',"model":' + orjson.dumps(model)
-    )
+# --- provider-reported timings, from the engine's own stamps (seconds) ---------------------------
+
+def stage_seconds(seq: Any) -> tuple[float, float, float]:
+    """(queue, prefill, decode) as the engine lived them: waiting -> scheduled -> prompt done
+    -> last token."""
+    return (round(seq.t_scheduled - seq.t_arrival, 6),
+            round(seq.t_prefill_done - seq.t_scheduled, 6),
+            round(max(0.0, seq.t_last - seq.t_prefill_done), 6))
 
 
-class OpenAIChatStream:
-    """`chat.completion.chunk` events, vLLM style (compact JSON, no usage key except on usage chunk)."""
+def groq_usage(seq: Any) -> dict[str, Any]:
+    """Groq's CompletionUsage with timings (total_time = prompt + completion, no queue)."""
+    queue, prompt, completion = stage_seconds(seq)
+    return {"queue_time": queue, "prompt_tokens": seq.prompt_tokens, "prompt_time": prompt,
+            "completion_tokens": seq.generated, "completion_time": completion,
+            "total_tokens": seq.prompt_tokens + seq.generated,
+            "total_time": round(prompt + completion, 6)}
 
-    __slots__ = ("head", "pre", "suf", "role_chunk")
+
+def time_info(seq: Any) -> dict[str, Any]:
+    """Cerebras `time_info` (total_time includes the queue and overhead)."""
+    queue, prompt, completion = stage_seconds(seq)
+    return {"queue_time": queue, "prompt_time": prompt, "completion_time": completion,
+            "total_time": round(seq.t_end - seq.t_arrival, 6), "created": time.time()}
+
+
+def vllm_metrics(seq: Any) -> dict[str, Any]:
+    """vLLM's per-request `metrics` (milliseconds; TTFT counts from arrival)."""
+    n = seq.generated
+    generation_ms = (seq.t_last - seq.t_first) * 1e3
+    return {"time_to_first_token_ms": round((seq.t_first - seq.t_arrival) * 1e3, 3),
+            "queue_time_ms": round((seq.t_scheduled - seq.t_arrival) * 1e3, 3),
+            "generation_time_ms": round(generation_ms, 3),
+            "mean_itl_ms": round(generation_ms / (n - 1), 3) if n > 1 else 0.0,
+            "tokens_per_second": round(n / max(seq.t_end - seq.t_arrival, 1e-9), 3)}
+
+
+def groq_request_id(rid: str) -> str:
+    return "req_" + rid.rsplit("-", 1)[-1]
+
+
+def _head(rid: str, obj: str, created: int, model: str, flavour: str) -> bytes:
+    head = (b'{"id":' + orjson.dumps(rid) + b',"object":"' + obj.encode() + b'","created":'
+            + str(created).encode() + b',"model":' + orjson.dumps(model))
+    if flavour != "vllm":  # hosted APIs always send it; the Cerebras SDK needs it
+        head += b',"system_fingerprint":"' + FINGERPRINT.encode() + b'"'
+    return head
+
+
+# --- OpenAI chat / completions streams -----------------------------------------------------------
+
+_OPEN_CHOICE = b',"choices":[{"index":0,"delta":{'
+_CLOSE_CHOICE = b',"logprobs":null,"finish_reason":null}]}\n\n'
+
+
+class _OpenAIStream:
+    """What chat and completions streams share: the flavour's closing chunks."""
+
+    __slots__ = ("head", "out", "rid")
     ping = PING
 
-    def __init__(self, rid: str, created: int, model: str) -> None:
-        self.head = _head(rid, "chat.completion.chunk", created, model)
-        self.pre = b"data: " + self.head + b',"choices":[{"index":0,"delta":{"content":"'
-        self.suf = b'"},"logprobs":null,"finish_reason":null}]}\n\n'
-        self.role_chunk = (
-            b"data: " + self.head
-            + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
-            b'"logprobs":null,"finish_reason":null}]}\n\n'
-        )
-
-    def opening(self, role_first: bool) -> bytes:
-        return self.role_chunk if role_first else b""
-
-    def first(self, tid: int, role_sent: bool) -> bytes:
-        tok = self.pre + WORDS_JSON[tid] + self.suf
-        return tok if role_sent else self.role_chunk + tok
-
-    def token(self, tid: int) -> bytes:
-        return self.pre + WORDS_JSON[tid] + self.suf
-
-    def finish(self, seq: Any, include_usage: bool) -> bytes:
-        out = (
-            b"data: " + self.head + b',"choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":"'
-            + seq.finish_reason.encode() + b'"}]}\n\n'
-        )
-        if include_usage:
-            out += b"data: " + self.head + b',"choices":[],"usage":' + orjson.dumps(usage_obj(seq)) + b"}\n\n"
-        return out + DONE
+    def _closing(self, seq: Any, include_usage: bool, choice: bytes) -> bytes:
+        """The finish chunk (`choice` is its choices entry), the usage chunk, [DONE].
+        Groq puts x_groq.usage on the finish chunk; Cerebras sends usage and time_info in every
+        stream; vLLM adds its `metrics` to the usage chunk when enabled."""
+        out = self.out
+        finish = b"data: " + self.head + b',"choices":[' + choice + b"]"
+        if out.flavour == "groq":
+            finish += b',"x_groq":' + orjson.dumps({"id": groq_request_id(self.rid),
+                                                    "usage": groq_usage(seq)})
+        data = finish + b"}\n\n"
+        if include_usage or out.flavour == "cerebras":
+            usage = b"data: " + self.head + b',"choices":[],"usage":' + orjson.dumps(usage_obj(seq, out))
+            if out.flavour == "cerebras":
+                usage += b',"time_info":' + orjson.dumps(time_info(seq))
+            elif out.flavour == "vllm" and out.per_request_metrics:
+                usage += b',"metrics":' + orjson.dumps(vllm_metrics(seq))
+            data += usage + b"}\n\n"
+        return data + DONE
 
     def error(self, message: str, status: int) -> bytes:
         return b"data: " + error_body(message, status) + b"\n\n" + DONE
 
 
-class OpenAICompletionStream:
+class OpenAIChatStream(_OpenAIStream):
+    """`chat.completion.chunk` events (compact JSON, `usage` only on the usage chunk): the
+    reasoning tokens as `delta.reasoning`, then content, or one tool call whose first chunk
+    names it and whose arguments follow as fragments."""
+
+    __slots__ = ("role_chunk", "n", "reasoning_pre", "body_pre", "body_suf", "words", "tool_open")
+
+    def __init__(self, rid: str, created: int, model: str, out: Output) -> None:
+        self.rid = rid
+        self.out = out
+        self.n = 0
+        self.head = head = _head(rid, "chat.completion.chunk", created, model, out.flavour)
+        start = b"data: " + head + _OPEN_CHOICE
+        x_groq = (b',"x_groq":{"id":"' + groq_request_id(rid).encode() + b'"}'
+                  if out.flavour == "groq" else b"")
+        self.role_chunk = (start + b'"role":"assistant","content":""},"logprobs":null,'
+                           b'"finish_reason":null}]' + x_groq + b"}\n\n")
+        self.reasoning_pre = start + b'"reasoning":"'
+        if out.tool is None:
+            self.body_pre, self.body_suf, self.words = start + b'"content":"', b'"}' + _CLOSE_CHOICE, WORDS_JSON
+            self.tool_open = b""
+        else:
+            self.body_pre = start + b'"tool_calls":[{"index":0,"function":{"arguments":"'
+            self.body_suf, self.words = b'"}}]}' + _CLOSE_CHOICE, WORDS_ARG_JSON
+            call = {"index": 0, "id": "call_" + rid.rsplit("-", 1)[-1], "type": "function",
+                    "function": {"name": out.tool, "arguments": ""}}
+            self.tool_open = (start + b'"tool_calls":[' + orjson.dumps(call) + b"]}"
+                              + _CLOSE_CHOICE)
+
+    def opening(self, role_first: bool) -> bytes:
+        return self.role_chunk if role_first else b""
+
+    def first(self, tid: int, role_sent: bool) -> bytes:
+        tok = self.token(tid)
+        return tok if role_sent else self.role_chunk + tok
+
+    def token(self, tid: int) -> bytes:
+        i = self.n
+        self.n = i + 1
+        reasoning = self.out.reasoning
+        if i > reasoning or (i == reasoning and not self.tool_open):
+            return self.body_pre + self.words[tid] + self.body_suf
+        if i < reasoning:
+            return self.reasoning_pre + WORDS_JSON[tid] + b'"}' + _CLOSE_CHOICE
+        # the first tool token: the call's name, then the arguments' opening fragment
+        return self.tool_open + self.body_pre + ARGS_OPEN + self.words[tid] + self.body_suf
+
+    def finish(self, seq: Any, include_usage: bool) -> bytes:
+        reason = seq.finish_reason
+        closing = b""
+        if self.out.called_tool(seq):
+            closing = self.body_pre + ARGS_CLOSE + self.body_suf
+            if reason == "stop":
+                reason = "tool_calls"
+        choice = (b'{"index":0,"delta":{},"logprobs":null,"finish_reason":"' + reason.encode()
+                  + b'"}')
+        return closing + self._closing(seq, include_usage, choice)
+
+
+class OpenAICompletionStream(_OpenAIStream):
     """Legacy `text_completion` stream events (no role chunk)."""
 
-    __slots__ = ("head", "pre", "suf")
-    ping = PING
+    __slots__ = ("pre", "suf")
 
-    def __init__(self, rid: str, created: int, model: str) -> None:
-        self.head = _head(rid, "text_completion", created, model)
+    def __init__(self, rid: str, created: int, model: str, out: Output) -> None:
+        self.rid = rid
+        self.out = out
+        self.head = _head(rid, "text_completion", created, model, out.flavour)
         self.pre = b"data: " + self.head + b',"choices":[{"index":0,"text":"'
         self.suf = b'","logprobs":null,"finish_reason":null}]}\n\n'
 
@@ -174,38 +318,52 @@ class OpenAICompletionStream:
         return self.pre + WORDS_JSON[tid] + self.suf
 
     def finish(self, seq: Any, include_usage: bool) -> bytes:
-        out = (
-            b"data: " + self.head + b',"choices":[{"index":0,"text":"","logprobs":null,"finish_reason":"'
-            + seq.finish_reason.encode() + b'"}]}\n\n'
-        )
-        if include_usage:
-            out += b"data: " + self.head + b',"choices":[],"usage":' + orjson.dumps(usage_obj(seq)) + b"}\n\n"
-        return out + DONE
-
-    def error(self, message: str, status: int) -> bytes:
-        return b"data: " + error_body(message, status) + b"\n\n" + DONE
+        choice = (b'{"index":0,"text":"","logprobs":null,"finish_reason":"'
+                  + seq.finish_reason.encode() + b'"}')
+        return self._closing(seq, include_usage, choice)
 
 
 # --- non-streaming bodies ----------------------------------------------------------------------
 
-def chat_body(rid: str, created: int, model: str, seq: Any) -> bytes:
-    return orjson.dumps({
+def _with_flavour(body: dict[str, Any], rid: str, seq: Any, out: Output) -> bytes:
+    """Provider extras of a whole response: Groq's timings sit in `usage` (its x_groq.usage is
+    cache statistics there), Cerebras adds time_info, vLLM its metrics."""
+    if out.flavour == "groq":
+        body["usage"].update(groq_usage(seq))
+        body["x_groq"] = {"id": groq_request_id(rid)}
+    elif out.flavour == "cerebras":
+        body["time_info"] = time_info(seq)
+    elif out.per_request_metrics:
+        body["metrics"] = vllm_metrics(seq)
+    if out.flavour != "vllm":
+        body["system_fingerprint"] = FINGERPRINT
+    return orjson.dumps(body)
+
+
+def chat_body(rid: str, created: int, model: str, seq: Any, out: Output = Output()) -> bytes:
+    reasoning, text = out.parts(seq)
+    message: dict[str, Any] = {"role": "assistant", "content": text, "tool_calls": []}
+    reason = seq.finish_reason
+    if out.called_tool(seq):
+        message["content"] = None
+        message["tool_calls"] = [{"id": "call_" + rid.rsplit("-", 1)[-1], "type": "function",
+                                  "function": {"name": out.tool,
+                                               "arguments": tool_arguments(text)}}]
+        reason = "tool_calls" if reason == "stop" else reason
+    if reasoning:
+        message["reasoning"] = reasoning
+    return _with_flavour({
         "id": rid,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": detokenize(seq.tokens, seq.generated), "tool_calls": []},
-            "logprobs": None,
-            "finish_reason": seq.finish_reason,
-        }],
-        "usage": usage_obj(seq),
-    })
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": reason}],
+        "usage": usage_obj(seq, out),
+    }, rid, seq, out)
 
 
-def completion_body(rid: str, created: int, model: str, seq: Any) -> bytes:
-    return orjson.dumps({
+def completion_body(rid: str, created: int, model: str, seq: Any, out: Output = Output()) -> bytes:
+    return _with_flavour({
         "id": rid,
         "object": "text_completion",
         "created": created,
@@ -217,7 +375,7 @@ def completion_body(rid: str, created: int, model: str, seq: Any) -> bytes:
             "finish_reason": seq.finish_reason,
         }],
         "usage": usage_obj(seq),
-    })
+    }, rid, seq, out)
 
 
 def models_body(names: list[str], created: int) -> bytes:

@@ -1,4 +1,5 @@
-"""HTTP surface of the simulator: OpenAI-compatible routes, metrics, introspection, faults.
+"""HTTP surface of the simulator: OpenAI chat / completions / Responses and Anthropic Messages
+routes (with vLLM, Groq and Cerebras flavours), metrics, introspection, faults.
 
 Streaming responses are written straight to the transport with precomputed chunked-encoding
 frames from the engine's step callback: no coroutine switch, no JSON encoding, one write per
@@ -20,8 +21,8 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from . import formats
-from .config import HANG_MODES, SimConfig, updated
+from . import anthropic_format, formats, responses_format
+from .config import HANG_MODES, PROVIDERS, SimConfig, updated
 from .engine import CANCELLED, CUT, ERROR, FINISHED, LENGTH, STOP, Engine, QueueFull, Seq
 from .metrics import SimMetrics
 
@@ -42,6 +43,7 @@ class SimState:
         self.active: set[asyncio.Task[Any]] = set()
         self.created = int(time.time())
         self.hanging = 0
+        self.knob_status_faults = 0  # requests answered with the fault_status knob so far
         self.metrics = SimMetrics(self)
 
     @property
@@ -52,6 +54,16 @@ class SimState:
         if cfg.request_log_size != self.request_log.maxlen:
             self.request_log = collections.deque(self.request_log, maxlen=cfg.request_log_size)
         self.engine.cfg = cfg
+
+    def knob_status(self) -> int:
+        """The fault_status knob's status if this request gets it (rate, count), else 0."""
+        cfg = self.cfg
+        if not cfg.fault_status or not (cfg.fault_status_rate >= 1.0 or self.rng.random() < cfg.fault_status_rate):
+            return 0
+        if 0 <= cfg.fault_status_count <= self.knob_status_faults:
+            return 0
+        self.knob_status_faults += 1
+        return cfg.fault_status
 
     def stats(self) -> dict[str, Any]:
         s = self.engine.stats()
@@ -64,6 +76,22 @@ class SimState:
 SIM = web.AppKey("sim", SimState)
 
 
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A route's API: how its request reads and how its answers and errors are written."""
+
+    api: str  # "chat", "completions", "responses" or "messages"
+    id_prefix: str
+    provider: str | None = None  # flavour this route implies (Groq's /openai/v1), else the knob
+
+
+CHAT = Endpoint("chat", "chatcmpl-")
+GROQ_CHAT = Endpoint("chat", "chatcmpl-", "groq")
+COMPLETIONS = Endpoint("completions", "cmpl-")
+RESPONSES = Endpoint("responses", "resp_")
+MESSAGES = Endpoint("messages", "msg_")
+
+
 class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
         super().__init__(message)
@@ -73,9 +101,12 @@ class BadRequest(Exception):
 
 
 def error_response(status: int, message: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> web.Response:
+                   headers: dict[str, str] | None = None, api: str = "chat") -> web.Response:
+    """An error in the route's format: Anthropic's error object for Messages, else vLLM's."""
+    body = (anthropic_format.error_body(message, status) if api == "messages"
+            else formats.error_body(message, status, param))
     return web.Response(status=status, reason=_REASONS.get(status), headers=headers,
-                        body=formats.error_body(message, status, param), content_type=JSON)
+                        body=body, content_type=JSON)
 
 
 _REASONS = {529: "Site Overloaded"}  # statuses without a standard reason phrase
@@ -95,6 +126,8 @@ class Faults:
     ping_ms: float
     role_first: bool
     output_tokens: int
+    reasoning_tokens: int | None  # None: the knob's count, if the request asks for reasoning
+    provider: str | None  # None: the route's or the knob's flavour
 
 
 def _hnum(h: Any, name: str, default: float, conv: type, lo: float) -> Any:
@@ -110,12 +143,13 @@ def _hnum(h: Any, name: str, default: float, conv: type, lo: float) -> Any:
     return x
 
 
-def parse_faults(h: Any, cfg: SimConfig, rng: random.Random) -> Faults:
+def parse_faults(h: Any, sim: SimState) -> Faults:
+    cfg = sim.cfg
     status = _hnum(h, "x-sim-status", 0, int, 0)
     if status and not 400 <= status <= 599:
         raise BadRequest(f"header x-sim-status: {status} is not an HTTP error status 400-599", "x-sim-status")
-    if not status and cfg.fault_status and (cfg.fault_status_rate >= 1.0 or rng.random() < cfg.fault_status_rate):
-        status = cfg.fault_status
+    if not status:
+        status = sim.knob_status()
     retry_after = h.get("x-sim-retry-after")
     if retry_after is None and cfg.retry_after_s >= 0:
         retry_after = f"{cfg.retry_after_s:g}"
@@ -124,6 +158,10 @@ def parse_faults(h: Any, cfg: SimConfig, rng: random.Random) -> Faults:
         raise BadRequest(f"header x-sim-hang: {hang!r} is not one of 'headers', 'first_token'", "x-sim-hang")
     rf = h.get("x-sim-role-first")
     role_first = cfg.role_first if rf is None else rf.strip().lower() in ("1", "true", "yes", "on")
+    provider = h.get("x-sim-provider")
+    if provider is not None and provider.strip().lower() not in PROVIDERS:
+        raise BadRequest(f"header x-sim-provider: {provider!r} is not one of {', '.join(PROVIDERS)}", "x-sim-provider")
+    reasoning = h.get("x-sim-reasoning-tokens")
     return Faults(
         stall_ms=_hnum(h, "x-sim-stall-ms", cfg.stall_ms, float, 0),
         token_delay_ms=_hnum(h, "x-sim-token-delay-ms", cfg.token_delay_ms, float, 0),
@@ -135,6 +173,8 @@ def parse_faults(h: Any, cfg: SimConfig, rng: random.Random) -> Faults:
         ping_ms=_hnum(h, "x-sim-ping-ms", cfg.ping_ms, float, 0),
         role_first=role_first,
         output_tokens=_hnum(h, "x-sim-output-tokens", cfg.output_tokens, int, 0),
+        reasoning_tokens=None if reasoning is None else _hnum(h, "x-sim-reasoning-tokens", 0, int, 0),
+        provider=None if provider is None else provider.strip().lower(),
     )
 
 
@@ -144,11 +184,13 @@ def parse_faults(h: Any, cfg: SimConfig, rng: random.Random) -> Faults:
 class Parsed:
     model: str
     stream: bool
-    include_usage: bool
+    include_usage: bool | None  # None: stream_options given without include_usage
     max_tokens: int | None
     seed: int | None
     prompt: bytes
     prompt_tokens: int
+    tool: str | None = None  # the tool the answer calls (the request's first tool)
+    wants_reasoning: bool = False
 
 
 def _opt_int(body: dict[str, Any], key: str, lo: int) -> int | None:
@@ -162,27 +204,82 @@ def _opt_int(body: dict[str, Any], key: str, lo: int) -> int | None:
     return v
 
 
-def _chat_prompt(body: dict[str, Any]) -> tuple[bytes, int]:
+def _text_parts(content: Any, where: str, param: str) -> list[bytes]:
+    """The text of a message's content: a string, or a list of parts/blocks with `text` (tool
+    results may nest another content list)."""
+    if isinstance(content, str):
+        return [content.encode()]
+    if content is None:
+        return []
+    if not isinstance(content, list):
+        raise BadRequest(f"{where}.content must be a string, a list of parts or null", param)
+    parts: list[bytes] = []
+    for p in content:
+        if not isinstance(p, dict):
+            raise BadRequest(f"{where}.content parts must be objects", param)
+        if isinstance(p.get("text"), str):
+            parts.append(p["text"].encode())
+        elif isinstance(p.get("content"), (str, list)):
+            parts.extend(_text_parts(p["content"], where, param))
+    return parts
+
+
+def _messages_prompt(msgs: Any, system: Any = None) -> tuple[bytes, int]:
     """The messages' text joined (for hashing and the prefix cache) and its content byte count."""
-    msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise BadRequest("'messages' must be a non-empty list", "messages")
-    parts: list[bytes] = []
+    parts: list[bytes] = _text_parts(system, "system", "system") if system is not None else []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a string 'role'", "messages")
-        c = m.get("content")
-        if isinstance(c, str):
-            parts.append(c.encode())
-        elif isinstance(c, list):
-            for p in c:
-                if isinstance(p, dict) and isinstance(p.get("text"), str):
-                    parts.append(p["text"].encode())
-                elif not isinstance(p, dict):
-                    raise BadRequest(f"messages[{i}].content parts must be objects", "messages")
-        elif c is not None:
-            raise BadRequest(f"messages[{i}].content must be a string, a list of parts or null", "messages")
+        parts.extend(_text_parts(m.get("content"), f"messages[{i}]", "messages"))
     return b"\n".join(parts), sum(map(len, parts))
+
+
+def _responses_prompt(body: dict[str, Any]) -> tuple[bytes, int]:
+    """`input` (a string or a list of items) and `instructions`."""
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise BadRequest("'input' must be a string or a non-empty list of items", "input")
+    parts: list[bytes] = []
+    if isinstance(body.get("instructions"), str):
+        parts.append(body["instructions"].encode())
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise BadRequest(f"input[{i}] must be an object", "input")
+        if isinstance(item.get("output"), str):  # a function call's result
+            parts.append(item["output"].encode())
+        parts.extend(_text_parts(item.get("content"), f"input[{i}]", "input"))
+    return b"\n".join(parts), sum(map(len, parts))
+
+
+def _first_tool(body: dict[str, Any], api: str) -> str | None:
+    """The name of the request's first callable tool, unless tool_choice rules tools out."""
+    tools = body.get("tools")
+    if not isinstance(tools, list) or not tools:
+        return None
+    choice = body.get("tool_choice")
+    if choice == "none" or (isinstance(choice, dict) and choice.get("type") == "none"):
+        return None
+    for t in tools:
+        if not isinstance(t, dict):
+            raise BadRequest("'tools' must be a list of objects", "tools")
+        fn = t.get("function") if api == "chat" else t
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            return fn["name"]
+    return None
+
+
+def _wants_reasoning(body: dict[str, Any], api: str) -> bool:
+    if api == "messages":
+        thinking = body.get("thinking")
+        return isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive")
+    if api == "responses":
+        reasoning = body.get("reasoning")
+        return isinstance(reasoning, dict) and reasoning.get("effort") not in (None, "none")
+    return body.get("reasoning_effort") not in (None, "none")
 
 
 def _completion_prompt(body: dict[str, Any]) -> tuple[bytes, int | None]:
@@ -199,7 +296,21 @@ def _completion_prompt(body: dict[str, Any]) -> tuple[bytes, int | None]:
     raise BadRequest("'prompt' must be a string or a list of token ids", "prompt")
 
 
-def parse_body(body: Any, chat: bool, cfg: SimConfig) -> Parsed:
+def _stream_options(body: dict[str, Any], stream: bool) -> bool | None:
+    so = body.get("stream_options")
+    if so is None:
+        return False
+    if not isinstance(so, dict):
+        raise BadRequest("'stream_options' must be an object", "stream_options")
+    if not stream:
+        raise BadRequest("Stream options can only be defined when `stream=True`.", "stream_options")
+    iu = so.get("include_usage")
+    if iu is not None and not isinstance(iu, bool):
+        raise BadRequest("'stream_options.include_usage' must be a boolean", "stream_options")
+    return iu
+
+
+def parse_body(body: Any, api: str, cfg: SimConfig) -> Parsed:
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     model = body.get("model")
@@ -214,40 +325,46 @@ def parse_body(body: Any, chat: bool, cfg: SimConfig) -> Parsed:
         stream = False
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", "stream")
-    so = body.get("stream_options")
-    include_usage = False
-    if so is not None:
-        if not isinstance(so, dict):
-            raise BadRequest("'stream_options' must be an object", "stream_options")
-        if not stream:
-            raise BadRequest("Stream options can only be defined when `stream=True`.", "stream_options")
-        iu = so.get("include_usage")
-        if iu is not None and not isinstance(iu, bool):
-            raise BadRequest("'stream_options.include_usage' must be a boolean", "stream_options")
-        include_usage = bool(iu)
+    include_usage = _stream_options(body, stream) if api in ("chat", "completions") else True
     n = body.get("n")
     if n is not None and n != 1:
         raise BadRequest("the simulator supports only n=1", "n")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise BadRequest("'seed' must be an integer", "seed")
-    mt = _opt_int(body, "max_tokens", 1)
-    if chat:
-        mct = _opt_int(body, "max_completion_tokens", 1)
-        if mct is not None:
-            mt = mct
-        prompt, nbytes = _chat_prompt(body)
-        ptoks = max(1, -(-nbytes // cfg.bytes_per_token))
-    else:
+    if api == "completions":
+        mt = _opt_int(body, "max_tokens", 1)
         prompt, ptoks = _completion_prompt(body)
         if ptoks is None:
             ptoks = max(1, -(-len(prompt) // cfg.bytes_per_token))
+        param = "prompt"
+    else:
+        if api == "chat":
+            mt = _opt_int(body, "max_tokens", 1)
+            mct = _opt_int(body, "max_completion_tokens", 1)
+            if mct is not None:
+                mt = mct
+            prompt, nbytes = _messages_prompt(body.get("messages"))
+            param = "messages"
+        elif api == "responses":
+            mt = _opt_int(body, "max_output_tokens", 1)
+            prompt, nbytes = _responses_prompt(body)
+            param = "input"
+        else:
+            mt = _opt_int(body, "max_tokens", 1)
+            if mt is None:
+                raise BadRequest("max_tokens: Field required", "max_tokens")
+            prompt, nbytes = _messages_prompt(body.get("messages"), body.get("system"))
+            param = "messages"
+        ptoks = max(1, -(-nbytes // cfg.bytes_per_token))
     if ptoks >= cfg.max_model_len or (mt is not None and ptoks + mt > cfg.max_model_len):
         raise BadRequest(
             f"This model's maximum context length is {cfg.max_model_len} tokens. However, you requested "
             f"{ptoks + (mt or 0)} tokens ({ptoks} in the messages, {mt or 0} in the completion). "
-            "Please reduce the length of the messages or completion.", "messages" if chat else "prompt")
-    return Parsed(model, stream, include_usage, mt, seed, prompt, ptoks)
+            "Please reduce the length of the messages or completion.", param)
+    tool = _first_tool(body, api) if api != "completions" else None
+    return Parsed(model, stream, include_usage, mt, seed, prompt, ptoks, tool,
+                  api != "completions" and _wants_reasoning(body, api))
 
 
 def make_seq(p: Parsed, f: Faults, cfg: SimConfig, engine: Engine) -> Seq:
@@ -394,20 +511,35 @@ def _log_request(sim: SimState, request: web.Request, body: Any) -> None:
         })
 
 
-def _check_auth(cfg: SimConfig, request: web.Request) -> web.Response | None:
-    if cfg.api_key and request.headers.get("Authorization", "") != f"Bearer {cfg.api_key}":
-        return error_response(401, "Unauthorized: missing or wrong API key")
-    return None
+def _check_auth(cfg: SimConfig, request: web.Request, api: str = "chat") -> web.Response | None:
+    """Like vllm --api-key: Bearer; Messages also takes Anthropic's `x-api-key`."""
+    if not cfg.api_key:
+        return None
+    if request.headers.get("Authorization", "") == f"Bearer {cfg.api_key}":
+        return None
+    if api == "messages" and request.headers.get("x-api-key") == cfg.api_key:
+        return None
+    return error_response(401, "Unauthorized: missing or wrong API key", api=api)
 
 
 async def _wait_forever() -> None:
     await asyncio.get_running_loop().create_future()
 
 
-async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
+def _output(p: Parsed, f: Faults, ep: Endpoint, cfg: SimConfig) -> formats.Output:
+    reasoning = f.reasoning_tokens
+    if reasoning is None:
+        reasoning = cfg.reasoning_tokens if p.wants_reasoning else 0
+    return formats.Output(reasoning=reasoning, tool=p.tool,
+                          flavour=f.provider or ep.provider or cfg.provider,
+                          per_request_metrics=cfg.per_request_metrics)
+
+
+async def _handle(request: web.Request, ep: Endpoint) -> web.StreamResponse:
     sim = request.app[SIM]
     engine = sim.engine
     cfg = engine.cfg
+    api = ep.api
     raw = await request.read()
     try:
         body: Any = orjson.loads(raw)
@@ -415,19 +547,21 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
         body = None
     _log_request(sim, request, body if body is not None else raw.decode("utf-8", "replace"))
     sim.requests_total += 1
-    if (denied := _check_auth(cfg, request)) is not None:
+    if (denied := _check_auth(cfg, request, api)) is not None:
         return denied
     try:
-        f = parse_faults(request.headers, cfg, sim.rng)
+        f = parse_faults(request.headers, sim)
         if f.status:
             sim.faults[f"status_{f.status}"] += 1
             hdrs = {"Retry-After": f.retry_after} if f.retry_after else None
-            return error_response(f.status, f"Simulated error: HTTP {f.status}", headers=hdrs)
+            return error_response(f.status, f"Simulated error: HTTP {f.status}", headers=hdrs, api=api)
+        if api == "messages" and "anthropic-version" not in request.headers:
+            raise BadRequest("anthropic-version: header is required", "anthropic-version")
         if body is None:
             raise BadRequest("request body is not valid JSON")
-        p = parse_body(body, chat, cfg)
+        p = parse_body(body, api, cfg)
     except BadRequest as e:
-        return error_response(e.status, e.message, e.param)
+        return error_response(e.status, e.message, e.param, api=api)
 
     task = asyncio.current_task()
     assert task is not None
@@ -454,26 +588,39 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
         if f.token_delay_ms:
             sim.faults["slow_tokens"] += 1
         seq = make_seq(p, f, cfg, engine)
-        xrid = request.headers.get("X-Request-Id")
-        base = xrid or uuid.uuid4().hex
-        rid = ("chatcmpl-" if chat else "cmpl-") + base
+        out = _output(p, f, ep, cfg)
+        base = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        rid = ep.id_prefix + base
         created = int(time.time())
         if p.stream:
-            return await _stream(request, sim, seq, p, f, rid, created, base, chat)
-        return await _unary(request, sim, seq, p, rid, created, base, chat)
+            return await _stream(request, sim, seq, p, f, out, rid, created, base, api)
+        return await _unary(request, sim, seq, p, out, rid, created, base, api)
     finally:
         sim.active.discard(task)
 
 
-async def _stream(request: web.Request, sim: SimState, seq: Seq, p: Parsed, f: Faults,
-                  rid: str, created: int, base: str, chat: bool) -> web.StreamResponse:
+def _stream_renderer(api: str, rid: str, created: int, p: Parsed, out: formats.Output, seq: Seq) -> Any:
+    if api == "chat":
+        return formats.OpenAIChatStream(rid, created, p.model, out)
+    if api == "completions":
+        return formats.OpenAICompletionStream(rid, created, p.model, out)
+    if api == "responses":
+        return responses_format.ResponsesStream(rid, created, p.model, out, seq)
+    return anthropic_format.AnthropicStream(rid, created, p.model, out, seq)
+
+
+async def _stream(request: web.Request, sim: SimState, seq: Seq, p: Parsed, f: Faults, out: formats.Output,
+                  rid: str, created: int, base: str, api: str) -> web.StreamResponse:
     engine = sim.engine
-    fmt = (formats.OpenAIChatStream if chat else formats.OpenAICompletionStream)(rid, created, p.model)
-    sink = StreamSink(engine, seq, fmt, p.include_usage or engine.cfg.force_include_usage)
+    fmt = _stream_renderer(api, rid, created, p, out, seq)
+    # vLLM sends usage whenever stream_options is present, unless include_usage is false
+    include_usage = bool(p.include_usage or (p.include_usage is None and out.flavour == "vllm")
+                         or engine.cfg.force_include_usage)
+    sink = StreamSink(engine, seq, fmt, include_usage)
     try:
         done = engine.submit(seq)
     except QueueFull:
-        return error_response(503, "The server is overloaded: waiting queue is full.")
+        return error_response(503, "The server is overloaded: waiting queue is full.", api=api)
     resp = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE, "X-Request-Id": base})
     try:
         writer = await resp.prepare(request)
@@ -500,13 +647,17 @@ async def _stream(request: web.Request, sim: SimState, seq: Seq, p: Parsed, f: F
         sink.stop_ping()
 
 
-async def _unary(request: web.Request, sim: SimState, seq: Seq, p: Parsed,
-                 rid: str, created: int, base: str, chat: bool) -> web.StreamResponse:
+_BODIES = {"chat": formats.chat_body, "completions": formats.completion_body,
+           "responses": responses_format.response_body, "messages": anthropic_format.message_body}
+
+
+async def _unary(request: web.Request, sim: SimState, seq: Seq, p: Parsed, out: formats.Output,
+                 rid: str, created: int, base: str, api: str) -> web.StreamResponse:
     engine = sim.engine
     try:
         done = engine.submit(seq)
     except QueueFull:
-        return error_response(503, "The server is overloaded: waiting queue is full.")
+        return error_response(503, "The server is overloaded: waiting queue is full.", api=api)
     try:
         outcome = await done
     except asyncio.CancelledError:
@@ -517,18 +668,15 @@ async def _unary(request: web.Request, sim: SimState, seq: Seq, p: Parsed,
             request.transport.close()
         await asyncio.sleep(10)
     if outcome == ERROR:
-        return error_response(500, seq.error_message)
-    render = formats.chat_body if chat else formats.completion_body
-    return web.Response(body=render(rid, created, p.model, seq), content_type=JSON,
+        return error_response(500, seq.error_message, api=api)
+    return web.Response(body=_BODIES[api](rid, created, p.model, seq, out), content_type=JSON,
                         headers={"X-Request-Id": base})
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _handle(request, True)
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await _handle(request, False)
+def _route(ep: Endpoint) -> Any:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await _handle(request, ep)
+    return handler
 
 
 async def models(request: web.Request) -> web.Response:
@@ -594,13 +742,22 @@ async def _on_cleanup(app: web.Application) -> None:
     await app[SIM].engine.stop()
 
 
+ROUTES = {
+    "/v1/chat/completions": CHAT,
+    "/openai/v1/chat/completions": GROQ_CHAT,  # the groq SDK's path
+    "/v1/completions": COMPLETIONS,
+    "/v1/responses": RESPONSES,
+    "/v1/messages": MESSAGES,
+}
+
+
 def build_app(cfg: SimConfig | None = None) -> web.Application:
     """A fresh simulator app with its own engine, metrics registry and request log."""
     sim = SimState(cfg if cfg is not None else SimConfig())
     app = web.Application(client_max_size=256 * 1024 * 1024)
     app[SIM] = sim
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
+    for path, ep in ROUTES.items():
+        app.router.add_post(path, _route(ep))
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
