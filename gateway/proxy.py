@@ -28,7 +28,7 @@ from gateway.errors import GatewayError
 from gateway.finish import Finisher
 from gateway.headers import client_response_headers, upstream_request_headers
 from gateway.relay import AttemptFailed, ClientGone, Relay, before_commit_failure
-from gateway.routing import Replica, Router
+from gateway.routing import Replica, Router, current_request
 from gateway.telemetry.prometheus import Metrics
 from gateway.telemetry.tracing import Tracing
 
@@ -231,9 +231,9 @@ class Proxy:
 
     async def _exchange(self, request, ctx, api, replica, url, data, headers, watchdog,
                         state) -> web.StreamResponse:
+        current_request.set(ctx)
         try:
-            up = await replica.session.post(url, data=data, headers=headers,
-                                            trace_request_ctx=ctx)
+            up = await replica.session.post(url, data=data, headers=headers)
         except asyncio.CancelledError:
             reason = watchdog.claim()
             if reason is None:

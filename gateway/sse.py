@@ -72,6 +72,18 @@ class SSEParser:
     def _scan(self, chunk: bytes, pos: int, n: int, events: list[SSEEvent]) -> list[SSEEvent]:
         has_cr = b"\r" in chunk
         find = chunk.find
+        if not has_cr and self._started and not self._fields and not self._parts:
+            # Fast path for what engines send: whole `data: <one line>\n\n` events.
+            startswith = chunk.startswith
+            while pos < n and startswith(b"data: ", pos):
+                i = find(b"\n", pos)
+                if i < 0 or i + 1 >= n or chunk[i + 1] != _LF:
+                    break
+                events.append(SSEEvent(None, chunk[pos + 6:i], pos, i + 2))
+                pos = i + 2
+            if pos >= n:
+                self.hold_from = None
+                return events
         # Start of the event's first field line (or of an unterminated line) not yet dispatched:
         # -1 = it began in an earlier read; None = none.
         start: int | None = -1 if self._fields else None

@@ -73,6 +73,8 @@ async def test_spans_of_a_streamed_request_join_the_callers_trace() -> None:
     # What the engine received is the upstream span's own context: vLLM's span nests under it.
     tp = {k.lower(): v for k, v in seen.items()}["traceparent"]
     assert tp == f"00-{caller_trace}-{upstream.span_id}-01"
+    (connect,) = rec.by_name("upstream.connect")  # a new pooled connection was opened
+    assert connect.parent_id == upstream.span_id
     (queue,) = rec.by_name("gateway.queue")
     (prefill,) = rec.by_name("upstream.prefill")
     (decode,) = rec.by_name("upstream.decode")
