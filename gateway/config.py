@@ -101,6 +101,25 @@ class BreakerPolicy:
 
 
 @dataclass(frozen=True)
+class AdmissionConfig:
+    """SLO-aware admission control (off = plain pass-through)."""
+    enabled: bool = False
+    max_queue: int = 1024  # requests waiting for admission
+    max_queue_tokens: int = 4_000_000  # estimated prompt tokens waiting
+    max_concurrency: int = 256  # per replica, a hard safety net (a backend may set its own)
+    forgetting: float = 0.97  # estimators' forgetting factor (lower adapts faster)
+    safety: float = 1.0  # admit only if predicted + safety * stated error meets the target
+    prefix_affinity: bool = False  # same prompt prefix -> same replica (engine prefix cache)
+    prefix_bytes: int = 4096  # how much of the prompt's start is hashed for affinity
+    affinity_slack: float = 0.5  # keep affinity while predicted TTFT <= best * (1 + slack)
+    engine_metrics: bool = False  # scrape vllm:num_requests_waiting/running from backends
+    engine_metrics_interval_s: float = 1.0
+    redis_url: str = ""  # share in-flight and queued work across gateway processes
+    redis_share: float = 1.0  # fraction of each cap this gateway keeps when Redis is down
+    lease_s: float = 3.0  # a dead gateway's share is freed after this
+
+
+@dataclass(frozen=True)
 class BackendConfig:
     name: str
     type: str
@@ -118,6 +137,7 @@ class BackendConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     health_path: str = ""  # active health check: GET base_url's origin + this path
     health_interval_s: float = 5.0
+    max_concurrency: int = 0  # admission's per-replica cap (0 = [admission].max_concurrency)
 
     @property
     def wildcard(self) -> bool:
@@ -150,6 +170,7 @@ class Config:
     breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
     # model -> models to try, in order, when every replica of it failed before commit
     fallbacks: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     slo: SLOPolicy = field(default_factory=lambda: SLOPolicy(
         classes={DEFAULT_CLASS.name: DEFAULT_CLASS}, default=DEFAULT_CLASS.name, route_classes={}))
@@ -171,7 +192,7 @@ def load(path: str, env: Mapping[str, str] | None = None) -> Config:
 def parse(raw: dict[str, Any], env: Mapping[str, str] | None = None) -> Config:
     raw = _apply_env(raw, env or {})
     sections = {"server", "backends", "auth", "timeouts", "retry", "breaker", "fallbacks",
-                "telemetry", "slo", "slo_classes"}
+                "admission", "telemetry", "slo", "slo_classes"}
     unknown = set(raw) - sections
     if unknown:
         key = sorted(unknown)[0]
@@ -192,8 +213,9 @@ def parse(raw: dict[str, Any], env: Mapping[str, str] | None = None) -> Config:
     retry = _retry(raw.get("retry", {}), default_timeouts)
     breaker = _breaker(raw.get("breaker", {}))
     fallbacks = _fallbacks(raw.get("fallbacks", {}))
+    admission = _admission(raw.get("admission", {}))
     return Config(server=server, backends=backends, auth=auth, retry=retry, breaker=breaker,
-                  fallbacks=fallbacks, telemetry=telemetry, slo=slo)
+                  fallbacks=fallbacks, admission=admission, telemetry=telemetry, slo=slo)
 
 
 def _toml_value(text: str) -> Any:
@@ -209,7 +231,8 @@ def _env_name(name: str) -> str:
 
 def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
     raw = dict(raw)
-    for section in ("server", "telemetry", "slo", "auth", "timeouts", "retry", "breaker"):
+    for section in ("server", "telemetry", "slo", "auth", "timeouts", "retry", "breaker",
+                    "admission"):
         table = dict(raw.get(section, {})) if isinstance(raw.get(section, {}), dict) else None
         if table is None:
             continue
@@ -327,6 +350,51 @@ def _breaker(table: Any) -> BreakerPolicy:
         "breaker", table, "cooldown_s", BreakerPolicy.cooldown_s, positive=True))
 
 
+def _admission(table: Any) -> AdmissionConfig:
+    if not isinstance(table, dict):
+        raise ConfigError("admission", table, "a table")
+    _check_keys("admission", table, set(AdmissionConfig.__dataclass_fields__))
+    d = AdmissionConfig()
+
+    def count(key: str, low: int = 1) -> int:
+        value = _typed("admission", table, key, int, getattr(d, key), f"an integer >= {low}")
+        if value < low:
+            raise ConfigError(f"admission.{key}", value, f"an integer >= {low}")
+        return value
+
+    def fraction(key: str, low: float, high: float) -> float:
+        value = _typed("admission", table, key, float, getattr(d, key),
+                       f"a number in ({low}, {high}]")
+        if not low < value <= high:
+            raise ConfigError(f"admission.{key}", value, f"a number in ({low}, {high}]")
+        return value
+
+    redis_url = _typed("admission", table, "redis_url", str, "", "a redis:// URL, or empty")
+    if redis_url and urlsplit(redis_url).scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError("admission.redis_url", redis_url, "a redis:// URL, or empty")
+    safety = _typed("admission", table, "safety", float, d.safety, "a number >= 0")
+    if safety < 0:
+        raise ConfigError("admission.safety", safety, "a number >= 0")
+    slack = _typed("admission", table, "affinity_slack", float, d.affinity_slack, "a number >= 0")
+    if slack < 0:
+        raise ConfigError("admission.affinity_slack", slack, "a number >= 0")
+    return AdmissionConfig(
+        enabled=_typed("admission", table, "enabled", bool, d.enabled, "true or false"),
+        max_queue=count("max_queue", 0), max_queue_tokens=count("max_queue_tokens", 0),
+        max_concurrency=count("max_concurrency"), forgetting=fraction("forgetting", 0.5, 1.0),
+        safety=safety,
+        prefix_affinity=_typed("admission", table, "prefix_affinity", bool, d.prefix_affinity,
+                               "true or false"),
+        prefix_bytes=count("prefix_bytes"), affinity_slack=slack,
+        engine_metrics=_typed("admission", table, "engine_metrics", bool, d.engine_metrics,
+                              "true or false"),
+        engine_metrics_interval_s=_seconds("admission", table, "engine_metrics_interval_s",
+                                           d.engine_metrics_interval_s, positive=True),
+        redis_url=redis_url, redis_share=fraction("redis_share", 0.0, 1.0),
+        lease_s=_seconds("admission", table, "lease_s", d.lease_s, positive=True),
+    )
+
+
 def _fallbacks(table: Any) -> dict[str, tuple[str, ...]]:
     if not isinstance(table, dict) or not all(
             isinstance(v, list) and all(isinstance(m, str) and m for m in v)
@@ -385,6 +453,8 @@ def _backend(i: int, table: Any, default_timeouts: Timeouts) -> BackendConfig:
         timeouts=_timeouts(f"{where}.timeouts", table.get("timeouts", {}), default_timeouts),
         health_path=_health_path(where, table),
         health_interval_s=_seconds(where, table, "health_interval_s", 5.0, positive=True),
+        max_concurrency=_typed(where, table, "max_concurrency", int, 0,
+                               "an integer >= 0 (0 = the [admission] default)"),
     )
 
 

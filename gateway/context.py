@@ -60,7 +60,7 @@ class RequestContext:
         "token_ns", "overhead_ns", "t_connect_start", "t_connect_end", "provider_queue_s",
         "provider_prefill_s", "provider_decode_s", "slo", "verdict", "model_label",
         "interruption", "trace", "server_address", "server_port", "tenant",
-        "admission", "t_admitted", "t_last_event", "t_dispatched", "attempts",
+        "admission", "t_admitted", "t_last_event", "t_dispatched", "attempts", "on_first_token",
     )
 
     def __init__(self, route: str) -> None:
@@ -107,6 +107,7 @@ class RequestContext:
         self.t_last_event = 0  # last upstream SSE event (idle deadline)
         self.t_dispatched = 0  # first upstream attempt sent (end of the gateway queue)
         self.attempts: list[Attempt] = []  # earlier upstream attempts that failed before commit
+        self.on_first_token: Any = None  # called once when the first token arrives (admission)
 
     def new_attempt(self, result: str, span: Any) -> None:
         """Record the current attempt as failed and clear what it observed, so the next one
@@ -179,9 +180,12 @@ class RequestContext:
         return out
 
     def overhead_s(self) -> float:
-        """Gateway code time: ingress to upstream send, plus relaying every read."""
+        """Gateway code time: ingress to upstream send (less time queued for admission), plus
+        relaying every read."""
         sent = self.t_dispatched or self.t_sent
         before = (sent - self.t_received) if sent else 0
+        if self.t_admitted and self.admission and self.admission[1] == "after_queue":
+            before = (sent - self.t_admitted) if sent else 0
         return (before + self.overhead_ns) / 1e9
 
     def itl_s(self) -> list[float]:

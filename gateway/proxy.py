@@ -19,6 +19,7 @@ from tenacity import (AsyncRetrying, RetryCallState, retry_if_exception, stop_af
 
 import backends
 from gateway import deadlines, ingress
+from gateway.admission.controller import AdmissionController, prefix_key
 from gateway.auth import AuthPolicy
 from gateway.config import Config
 from gateway.context import (CLIENT_CANCELLED, GATEWAY_ERROR, OK, TIMEOUT, UPSTREAM_ERROR,
@@ -39,9 +40,11 @@ MAX_ERROR_BODY = 1024 * 1024
 
 
 class Proxy:
-    def __init__(self, cfg: Config, router: Router, finisher: Finisher) -> None:
+    def __init__(self, cfg: Config, router: Router, finisher: Finisher,
+                 admission: AdmissionController | None = None) -> None:
         self.cfg = cfg
         self.router = router
+        self.admission = admission
         self.auth: AuthPolicy = cfg.auth
         self.slo = cfg.slo
         self.retry = cfg.retry
@@ -78,7 +81,6 @@ class Proxy:
             parsed = ingress.parse_json(body)
             ctx.model = ingress.model_of(parsed)
             self.auth.authorize(key, ctx.model)
-            ctx.admission = ("admitted", "admission_off")
             ctx.model_label = self.router.model_label(ctx.model)
             ctx.stream = ingress.stream_of(parsed)
             first = self.router.replicas_for(ctx.model, api.FAMILY)
@@ -89,6 +91,16 @@ class Proxy:
             watchdog = Watchdog(ctx, ctx.t_received + int(timeouts.total_s * 1e9),
                                 timeouts.idle_s)
             self.active.add(watchdog)
+            if self.admission is None:
+                ctx.admission = ("admitted", "admission_off")
+                self.metrics.admission.labels(ctx.model_label, route, ctx.slo.name,
+                                              *ctx.admission).inc()
+            else:
+                ticket = await self.admission.admit(
+                    ctx, api.FAMILY, len(body),
+                    prefix_key(parsed, self.cfg.admission.prefix_bytes))
+                state["ticket"] = ticket
+                ctx.on_first_token = ticket.first_token
             return await self._with_retries(request, ctx, api, parsed, body, watchdog,
                                             request.headers, state)
         except GatewayError as e:
@@ -120,6 +132,9 @@ class Proxy:
             if watchdog is not None:
                 watchdog.stop()
                 self.active.discard(watchdog)
+            ticket = state.get("ticket")
+            if ticket is not None:
+                ticket.finish(ctx)
             up = state["up"]
             if up is not None:
                 if ctx.outcome == OK:
@@ -163,9 +178,13 @@ class Proxy:
             return self._final_failure(ctx, api, e)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _pick(self, ctx: RequestContext, family: str, tried: list[Replica]) -> tuple[Replica, str]:
-        """An untried replica of the model, else any healthy one of it (a retry after
-        Retry-After may go back), else the model's fallbacks in order."""
+    def _pick(self, ctx: RequestContext, family: str, tried: list[Replica],
+              state: dict[str, Any]) -> tuple[Replica, str]:
+        """The replica admission chose, else an untried replica of the model, else any healthy
+        one of it (a retry after Retry-After may go back), else the model's fallbacks."""
+        ticket = state.get("ticket")
+        if ticket is not None and ticket.replica not in tried and ticket.replica.available():
+            return ticket.replica, ticket.replica.cfg.aliases.get(ctx.model, ctx.model)
         chain = (ctx.model,) + tuple(self.cfg.fallbacks.get(ctx.model or "", ()))
         last: GatewayError | None = None
         for model in chain:
@@ -180,7 +199,7 @@ class Proxy:
     async def _attempt(self, request, ctx, api, parsed, body, watchdog, headers_in, state,
                        tried) -> web.StreamResponse:
         try:
-            replica, upstream_model = self._pick(ctx, api.FAMILY, tried)
+            replica, upstream_model = self._pick(ctx, api.FAMILY, tried, state)
         except GatewayError:
             if not tried:
                 raise
@@ -189,6 +208,8 @@ class Proxy:
             last.retryable = False
             raise last from None
         tried.append(replica)
+        if state.get("ticket") is not None:
+            state["ticket"].move(replica)
         timeouts = replica.cfg.timeouts.tightened(headers_in)
         ctx.backend = replica.name
         state["provider"] = replica.cfg.provider

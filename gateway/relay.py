@@ -151,6 +151,8 @@ class Relay:
                     if not idle_armed and ctx.t_first_token:
                         self.watchdog.first_token()
                         idle_armed = True
+                        if ctx.on_first_token is not None:
+                            ctx.on_first_token()
                 hold_from = parser.hold_from
                 if hold_from is None:
                     cut = len(buf)

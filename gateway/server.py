@@ -16,6 +16,7 @@ from backends import openai as openai_api
 from gateway import config as config_mod
 from gateway import deadlines
 from gateway.config import Config
+from gateway.admission.controller import AdmissionController
 from gateway.errors import GatewayError
 from gateway.finish import Finisher
 from gateway.proxy import Proxy
@@ -31,6 +32,7 @@ PROXY_KEY = web.AppKey("proxy", Proxy)
 METRICS_KEY = web.AppKey("metrics", Metrics)
 FINISHER_KEY = web.AppKey("finisher", Finisher)
 DRAINING_KEY = web.AppKey("draining", asyncio.Event)
+ADMISSION_KEY = web.AppKey("admission", object)
 
 
 def build_app(cfg: Config, *, tracing: Tracing | None = None,
@@ -54,7 +56,11 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
         finisher = Finisher(metrics, tracing or Tracing(cfg.telemetry),
                             otlp_metrics or OTLPMetrics(cfg.telemetry))
         app[FINISHER_KEY] = finisher
-        app[PROXY_KEY] = Proxy(cfg, router, finisher)
+        admission = None
+        if cfg.admission.enabled:
+            admission = AdmissionController(cfg.admission, router, metrics)
+        app[ADMISSION_KEY] = admission
+        app[PROXY_KEY] = Proxy(cfg, router, finisher, admission)
 
     async def cleanup(app: web.Application) -> None:
         await app[ROUTER_KEY].close()
@@ -84,6 +90,16 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
         body = generate_latest(request.app[METRICS_KEY].registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    async def admission_state(request: web.Request) -> web.Response:
+        try:
+            cfg.auth.authenticate(request.headers)
+        except GatewayError as e:
+            return web.Response(status=e.status, content_type="application/json",
+                                body=openai_api.error_body(e.status, e.message, e.code))
+        ctrl = request.app[ADMISSION_KEY]
+        body = ctrl.snapshot() if ctrl is not None else {"enabled": False}
+        return web.json_response(body, dumps=_dumps)
+
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"}, dumps=_dumps)
 
@@ -107,6 +123,7 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
     app.router.add_get("/v1/models", models)
     if cfg.telemetry.prometheus:
         app.router.add_get("/metrics", prometheus)
+    app.router.add_get("/admin/admission", admission_state)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_route("*", "/v1/{tail:.*}", not_found)

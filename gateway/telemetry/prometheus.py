@@ -200,8 +200,6 @@ class Metrics:
             self.tokens.labels(*base, "prompt").inc(ctx.prompt_tokens)
         if ctx.completion_tokens:
             self.tokens.labels(*base, "completion").inc(ctx.completion_tokens)
-        if ctx.admission is not None:
-            self.admission.labels(ctx.model_label, ctx.route, slo_name, *ctx.admission).inc()
         if ctx.cancel_phase:
             self.cancellations.labels(*base, ctx.cancel_phase).inc()
         if ctx.interruption:

@@ -1,0 +1,437 @@
+"""The admission controller.
+
+For each request: estimate its prompt tokens, predict its TTFT and TPOT on every replica of its
+model from that replica's load (prompt tokens admitted but not yet past first token, streams
+decoding) and learned estimators, and
+- admit it to the replica with the lowest predicted TTFT among those where both targets hold
+  (counting the time it already waited, and that its admission slows the streams decoding
+  there), with a random tie-break among near-equals so gateways do not herd, and optional
+  prefix affinity so engine prefix caches hit;
+- else queue it — highest priority first, earliest deadline first within a priority — and
+  re-evaluate whenever capacity frees;
+- reject it with 429 + Retry-After as soon as its SLO is out of reach (or the queue is full).
+Per-replica concurrency caps are a hard safety net; with Redis they are global.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import heapq
+import itertools
+import math
+import random
+import time
+from collections import Counter
+from typing import Any
+
+from gateway.admission.estimator import ReplicaEstimator
+from gateway.config import AdmissionConfig
+from gateway.context import OK, RequestContext, now_ns
+from gateway.errors import GatewayError
+from gateway.routing import Replica, Router
+from gateway.telemetry.prometheus import Metrics
+
+ADMITTED, QUEUED, REJECTED = "admitted", "queued", "rejected"
+TIE_BAND = 0.05  # predictions within 5 % of the best are equally good: pick one at random
+
+
+class ReplicaLoad:
+    """What this gateway has put on one replica."""
+
+    __slots__ = ("replica", "est", "prefill_tokens", "prefilling", "decoding", "tpot_targets",
+                 "cap", "engine_waiting", "engine_running", "avg_tokens")
+
+    def __init__(self, replica: Replica, est: ReplicaEstimator, cap: int) -> None:
+        self.replica = replica
+        self.est = est
+        self.prefill_tokens = 0.0
+        self.prefilling = 0
+        self.decoding = 0
+        self.tpot_targets: Counter[float] = Counter()  # TPOT targets of the streams decoding
+        self.cap = cap
+        self.engine_waiting = 0.0  # from the engine's own /metrics, when scraped
+        self.engine_running = 0.0
+        self.avg_tokens = 500.0  # EWMA of admitted prompt tokens (for engine-reported queues)
+
+    @property
+    def in_flight(self) -> int:
+        return self.prefilling + self.decoding
+
+    def work_ahead(self) -> float:
+        """Prompt tokens ahead of a new request: ours in prefill, plus other clients' requests
+        waiting in the engine (shared engines)."""
+        others = max(0.0, self.engine_waiting - self.prefilling)
+        return self.prefill_tokens + others * self.avg_tokens
+
+    def decoding_now(self) -> float:
+        return max(float(self.decoding), self.engine_running)
+
+    def min_tpot_target_s(self) -> float:
+        return min(self.tpot_targets) if self.tpot_targets else math.inf
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"prefill_tokens": round(self.prefill_tokens), "prefilling": self.prefilling,
+                "decoding": self.decoding, "cap": self.cap,
+                "engine_waiting": self.engine_waiting, "engine_running": self.engine_running,
+                "healthy": self.replica.available(), **self.est.snapshot()}
+
+
+class Ticket:
+    """An admitted request's claim on a replica, from dispatch to its end."""
+
+    __slots__ = ("ctrl", "load", "tokens", "body_bytes", "tpot_target_s", "predicted_ttft_s",
+                 "work_at_dispatch", "decoding_at_dispatch", "state", "decoding_sum",
+                 "shared_slot")
+
+    def __init__(self, ctrl: "AdmissionController", load: ReplicaLoad, tokens: float,
+                 body_bytes: int, tpot_target_s: float, predicted_ttft_s: float,
+                 shared_slot: bool) -> None:
+        self.ctrl = ctrl
+        self.load = load
+        self.tokens = tokens
+        self.body_bytes = body_bytes
+        self.tpot_target_s = tpot_target_s
+        self.predicted_ttft_s = predicted_ttft_s
+        self.shared_slot = shared_slot
+        self.work_at_dispatch = load.work_ahead() + tokens
+        self.decoding_at_dispatch = load.decoding_now()
+        self.state = "prefill"
+        load.prefill_tokens += tokens
+        load.prefilling += 1
+        load.avg_tokens += 0.05 * (tokens - load.avg_tokens)
+
+    @property
+    def replica(self) -> Replica:
+        return self.load.replica
+
+    def first_token(self) -> None:
+        if self.state != "prefill":
+            return
+        load = self.load
+        load.prefill_tokens -= self.tokens
+        load.prefilling -= 1
+        load.decoding += 1
+        load.tpot_targets[self.tpot_target_s] += 1
+        self.decoding_sum = load.decoding_now()
+        self.state = "decode"
+        self.ctrl.wake()
+
+    def move(self, replica: Replica) -> None:
+        """A retry went to another replica: the claim moves with it."""
+        if replica is self.load.replica or self.state == "done":
+            return
+        self._release()
+        self.load = self.ctrl.load_of(replica)
+        self.state = "prefill"
+        self.load.prefill_tokens += self.tokens
+        self.load.prefilling += 1
+
+    def _release(self) -> None:
+        load = self.load
+        if self.state == "prefill":
+            load.prefill_tokens -= self.tokens
+            load.prefilling -= 1
+        elif self.state == "decode":
+            load.decoding -= 1
+            load.tpot_targets[self.tpot_target_s] -= 1
+            if load.tpot_targets[self.tpot_target_s] <= 0:
+                del load.tpot_targets[self.tpot_target_s]
+
+    def finish(self, ctx: RequestContext) -> None:
+        if self.state == "done":
+            return
+        decoding_end = self.load.decoding_now()
+        self._release()
+        self.state = "done"
+        self.ctrl.learn(self, ctx, decoding_end)
+        self.ctrl.release_shared(self)
+        self.ctrl.wake()
+
+
+class Waiter:
+    __slots__ = ("key", "ctx", "family", "tokens", "body_bytes", "prefix", "future",
+                 "t_queued", "reason")
+
+    def __init__(self, key: tuple, ctx: RequestContext, family: str, tokens: float,
+                 body_bytes: int, prefix: bytes | None) -> None:
+        self.key = key
+        self.ctx = ctx
+        self.family = family
+        self.tokens = tokens
+        self.body_bytes = body_bytes
+        self.prefix = prefix
+        self.future: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
+        self.t_queued = now_ns()
+        self.reason = ""
+
+    def __lt__(self, other: "Waiter") -> bool:
+        return self.key < other.key
+
+
+class AdmissionController:
+    def __init__(self, cfg: AdmissionConfig, router: Router, metrics: Metrics,
+                 shared: Any = None) -> None:
+        self.cfg = cfg
+        self.router = router
+        self.metrics = metrics
+        self.shared = shared  # admission.shared.SharedState when Redis is configured
+        self.loads: dict[str, ReplicaLoad] = {}
+        for r in router.replicas:
+            self.load_of(r)
+        self.queue: list[Waiter] = []
+        self.queued_tokens = 0.0
+        self._seq = itertools.count()
+        self._timer: asyncio.TimerHandle | None = None
+        self._waking = False
+
+    def load_of(self, replica: Replica) -> ReplicaLoad:
+        load = self.loads.get(replica.name)
+        if load is None:
+            cap = replica.cfg.max_concurrency or self.cfg.max_concurrency
+            load = self.loads[replica.name] = ReplicaLoad(
+                replica, ReplicaEstimator(self.cfg.forgetting), cap)
+        return load
+
+    # -- the decision ------------------------------------------------------------------------
+
+    async def admit(self, ctx: RequestContext, family: str, body_bytes: int,
+                    prefix: bytes | None) -> Ticket:
+        loads = [self.load_of(r) for r in self.router.replicas_for(ctx.model or "", family)]
+        if not loads:
+            raise GatewayError(404, f"The model '{ctx.model}' does not exist or is not served "
+                               "by this gateway.", "model_not_found", param="model")
+        tokens = body_bytes * (sum(l.est.tokens_per_byte for l in loads) / len(loads))
+        ticket, why_not = await self._try(ctx, loads, tokens, body_bytes, prefix)
+        if ticket is not None:
+            self._decided(ctx, ADMITTED, "predicted_ok")
+            return ticket
+        self._check_feasible(ctx, loads, tokens, why_not)
+        if len(self.queue) >= self.cfg.max_queue or \
+                self.queued_tokens + tokens > self.cfg.max_queue_tokens:
+            self._reject(ctx, "queue_full", self._retry_after_s(loads))
+        slo = ctx.slo
+        deadline = ctx.t_received + int(slo.ttft_ms * 1e6)
+        waiter = Waiter((-slo.cls.priority, deadline, next(self._seq)), ctx, family, tokens,
+                        body_bytes, prefix)
+        heapq.heappush(self.queue, waiter)
+        self.queued_tokens += tokens
+        self._decided(ctx, QUEUED, why_not)
+        self._set_depth(slo.name)
+        self._arm_timer()
+        try:
+            ticket = await waiter.future
+        finally:
+            if not waiter.future.done():  # cancelled (the client left) while queued
+                waiter.future.cancel()
+            self._remove(waiter)
+            ctx.t_admitted = now_ns()
+            self.metrics.queue_wait.observe((slo.name,), (ctx.t_admitted - waiter.t_queued) / 1e9)
+        return ticket
+
+    async def _try(self, ctx: RequestContext, loads: list[ReplicaLoad], tokens: float,
+                   body_bytes: int, prefix: bytes | None) -> tuple[Ticket | None, str]:
+        """Admit now if a replica can meet both targets; else (None, why)."""
+        slo = ctx.slo
+        waited_s = (now_ns() - ctx.t_received) / 1e9
+        ttft_budget = slo.ttft_ms / 1e3 - waited_s
+        tpot_target = slo.tpot_ms / 1e3
+        ok: list[tuple[float, ReplicaLoad]] = []
+        why = "no_capacity"
+        for load in loads:
+            if not load.replica.available():
+                continue
+            if load.in_flight >= load.cap:
+                why = "concurrency_cap"
+                continue
+            est = load.est
+            pred_ttft = est.predict_ttft(load.work_ahead() + tokens, load.decoding_now())
+            if pred_ttft + self.cfg.safety * est.ttft_error_s > ttft_budget:
+                why = "ttft_wait"
+                continue
+            pred_tpot = est.predict_tpot(load.decoding_now() + 1)
+            if pred_tpot > min(tpot_target, load.min_tpot_target_s()):
+                why = "tpot_wait"
+                continue
+            ok.append((pred_ttft, load))
+        while ok:
+            load, pred = self._choose(ok, prefix)
+            if self.shared is not None and not await self.shared.try_acquire(load.replica.name,
+                                                                             load.cap):
+                ok = [(p, l) for p, l in ok if l is not load]
+                why = "concurrency_cap"
+                continue
+            return Ticket(self, load, tokens, body_bytes, tpot_target, pred,
+                          self.shared is not None), ""
+        return None, why
+
+    def _choose(self, ok: list[tuple[float, ReplicaLoad]],
+                prefix: bytes | None) -> tuple[ReplicaLoad, float]:
+        best = min(p for p, _ in ok)
+        if prefix is not None and self.cfg.prefix_affinity:
+            # Rendezvous hashing: every gateway agrees on the preferred replica of a prefix.
+            pred, load = max(ok, key=lambda pl: hashlib.blake2b(
+                prefix + pl[1].replica.name.encode(), digest_size=8).digest())
+            if pred <= best * (1 + self.cfg.affinity_slack) + 1e-3:
+                return load, pred
+        near = [(p, l) for p, l in ok if p <= best * (1 + TIE_BAND) + 1e-4]
+        pred, load = random.choice(near)
+        return load, pred
+
+    def _best_case_s(self, loads: list[ReplicaLoad], tokens: float) -> float:
+        """TTFT on the least loaded replica if the work queued ahead of it in the gateway went
+        first, plus the stated error: if even that misses, waiting cannot help."""
+        out = math.inf
+        for load in loads:
+            if not load.replica.available():
+                continue
+            est = load.est
+            out = min(out, est.predict_ttft(load.work_ahead() + tokens, 0.0)
+                      + self.cfg.safety * est.ttft_error_s)
+        return out
+
+    def _check_feasible(self, ctx: RequestContext, loads: list[ReplicaLoad], tokens: float,
+                        why: str, ahead_tokens: float = 0.0) -> None:
+        budget = ctx.slo.ttft_ms / 1e3 - (now_ns() - ctx.t_received) / 1e9
+        per_replica_ahead = ahead_tokens / max(1, len(loads))
+        if self._best_case_s(loads, tokens + per_replica_ahead) > budget:
+            self._reject(ctx, "ttft_infeasible", self._retry_after_s(loads))
+
+    def _retry_after_s(self, loads: list[ReplicaLoad]) -> float:
+        """When a request like this could be admitted: the time for the prefill work (ours in
+        flight and queued) to drain on the least loaded replica."""
+        avail = [l for l in loads if l.replica.available()] or loads
+        drain = min(l.est.predict_ttft(l.work_ahead() + self.queued_tokens / len(avail),
+                                       l.decoding_now()) for l in avail)
+        return max(1.0, drain)
+
+    def _reject(self, ctx: RequestContext, reason: str, retry_after_s: float) -> None:
+        self._decided(ctx, REJECTED, reason)
+        raise GatewayError(429, f"Request not admitted ({reason}): its SLO class "
+                           f"'{ctx.slo.name}' (TTFT {ctx.slo.ttft_ms:g} ms, TPOT "
+                           f"{ctx.slo.tpot_ms:g} ms) cannot be met now; retry later.",
+                           f"slo_{reason}", outcome="rejected",
+                           headers={"Retry-After": str(math.ceil(retry_after_s)),
+                                    "x-slogate-admission": reason})
+
+    def _decided(self, ctx: RequestContext, decision: str, reason: str) -> None:
+        ctx.admission = (decision, reason)
+        self.metrics.admission.labels(ctx.model_label, ctx.route, ctx.slo.name, decision,
+                                      reason).inc()
+
+    # -- the queue ---------------------------------------------------------------------------
+
+    def _remove(self, waiter: Waiter) -> None:
+        try:
+            self.queue.remove(waiter)
+        except ValueError:
+            return
+        heapq.heapify(self.queue)
+        self.queued_tokens -= waiter.tokens
+        self._set_depth(waiter.ctx.slo.name)
+
+    def _set_depth(self, slo_class: str) -> None:
+        n = sum(1 for w in self.queue if w.ctx.slo.name == slo_class)
+        self.metrics.queue_depth.labels(slo_class).set(n)
+        self.metrics.queued.set(len(self.queue))
+
+    def wake(self) -> None:
+        """Capacity changed: let the queue move (in a task: callers are on the hot path)."""
+        if self.queue and not self._waking:
+            self._waking = True
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._drain()))
+
+    def _arm_timer(self) -> None:
+        if self._timer is None and self.queue:
+            self._timer = asyncio.get_running_loop().call_later(0.05, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        self.wake()
+        self._arm_timer()
+
+    async def _drain(self) -> None:
+        """Admit queued requests in priority/deadline order where they now fit; reject those
+        whose TTFT is out of reach."""
+        try:
+            ahead = 0.0
+            for waiter in sorted(self.queue):
+                if waiter.future.done():
+                    continue
+                ctx = waiter.ctx
+                loads = [self.load_of(r) for r in
+                         self.router.replicas_for(ctx.model or "", waiter.family)]
+                ticket, why = await self._try(ctx, loads, waiter.tokens, waiter.body_bytes,
+                                              waiter.prefix)
+                if ticket is not None:
+                    self._decided(ctx, ADMITTED, "after_queue")
+                    if waiter.future.done():  # cancelled meanwhile
+                        ticket.finish(ctx)
+                    else:
+                        waiter.future.set_result(ticket)
+                    continue
+                try:
+                    self._check_feasible(ctx, loads, waiter.tokens, why, ahead)
+                except GatewayError as e:
+                    if not waiter.future.done():
+                        waiter.future.set_exception(e)
+                    continue
+                ahead += waiter.tokens
+        finally:
+            self._waking = False
+
+    # -- learning ----------------------------------------------------------------------------
+
+    def learn(self, ticket: Ticket, ctx: RequestContext, decoding_end: float) -> None:
+        if ctx.outcome != OK or not ctx.t_sent:
+            return
+        est = ticket.load.est
+        if ctx.prompt_tokens:
+            est.observe_prompt(ticket.body_bytes, ctx.prompt_tokens)
+        if ctx.provider_queue_s is not None:
+            est.observe_provider_queue(ctx.provider_queue_s)
+        if ctx.stream and ctx.t_first_token:
+            actual = (ctx.t_first_token - ctx.t_sent) / 1e9
+            tokens = ctx.prompt_tokens or ticket.tokens
+            work = ticket.work_at_dispatch - ticket.tokens + tokens
+            est.observe_ttft(work, ticket.decoding_at_dispatch, actual - est.provider_queue_s)
+            self.metrics.ttft_error.observe((ticket.replica.name, ctx.model_label),
+                                            abs(actual - ticket.predicted_ttft_s))
+            tpot = ctx.tpot_s()
+            if tpot is not None and ticket.state == "done":
+                mean_decoding = (getattr(ticket, "decoding_sum", decoding_end) + decoding_end) / 2
+                est.observe_tpot(mean_decoding, tpot)
+
+    def release_shared(self, ticket: Ticket) -> None:
+        if ticket.shared_slot and self.shared is not None:
+            self.shared.release(ticket.replica.name)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "enabled": True,
+            "queue": {"requests": len(self.queue), "estimated_tokens": round(self.queued_tokens),
+                      "by_class": dict(Counter(w.ctx.slo.name for w in self.queue))},
+            "replicas": {name: load.snapshot() for name, load in self.loads.items()},
+            "shared": self.shared.snapshot() if self.shared is not None else None,
+            "time": time.time(),
+        }
+
+
+def prefix_key(body: dict[str, Any], limit: int) -> bytes | None:
+    """What identifies a prompt's shared prefix: the system prompt (or first message) of a
+    chat, the start of a completion prompt. None when there is nothing shared to speak of."""
+    system = body.get("system")  # Anthropic
+    if system:
+        return _b(system)[:limit]
+    messages = body.get("messages") or body.get("input")
+    if isinstance(messages, list) and len(messages) > 1:
+        return _b(messages[0])[:limit]
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and len(prompt) > limit:
+        return prompt[:limit].encode()
+    return None
+
+
+def _b(value: Any) -> bytes:
+    import orjson
+
+    return value.encode() if isinstance(value, str) else orjson.dumps(value)

@@ -1,0 +1,109 @@
+"""Online estimators per backend replica, learned from the gateway's own observations.
+
+TTFT (upstream: request sent -> first token) is modelled as
+    c0 + c1 * W + c2 * W * D
+with W = prompt tokens ahead of and including this request's (thousands) and D = streams
+decoding on the replica: a continuous-batching engine prefills in chunks interleaved with decode
+steps, so the time per prefilled token grows with the batch. TPOT is a + b * D.
+
+Both are recursive least squares with a forgetting factor, so they follow a backend that gets
+faster or slower. Prompt tokens are estimated from request bytes with a per-backend ratio
+calibrated against reported usage.prompt_tokens.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+
+class RLS:
+    """Recursive least squares y ≈ θ·x with exponential forgetting (λ < 1 forgets)."""
+
+    P_MAX = 1000.0
+
+    def __init__(self, theta: Sequence[float], lam: float, p0: float = 100.0) -> None:
+        n = len(theta)
+        self.theta = list(theta)
+        self.lam = lam
+        self.P = [[p0 if i == j else 0.0 for j in range(n)] for i in range(n)]
+        self.n = 0
+        self.err_var = 0.0  # EWMA of squared residuals (same forgetting)
+
+    def predict(self, x: Sequence[float]) -> float:
+        return sum(t * v for t, v in zip(self.theta, x))
+
+    def update(self, x: Sequence[float], y: float) -> None:
+        n = len(x)
+        P = self.P
+        Px = [sum(P[i][j] * x[j] for j in range(n)) for i in range(n)]
+        denom = self.lam + sum(x[i] * Px[i] for i in range(n))
+        k = [v / denom for v in Px]
+        err = y - self.predict(x)
+        self.theta = [t + ki * err for t, ki in zip(self.theta, k)]
+        self.P = [[(P[i][j] - k[i] * Px[j]) / self.lam for j in range(n)] for i in range(n)]
+        # Forgetting inflates P in directions the data does not excite (D stays 0, say);
+        # bound it so one odd observation cannot swing θ wildly ("covariance wind-up").
+        trace = sum(self.P[i][i] for i in range(n))
+        if trace > self.P_MAX * n:
+            f = self.P_MAX * n / trace
+            self.P = [[v * f for v in row] for row in self.P]
+        w = 1.0 - self.lam if self.n > 10 else 1.0 / (self.n + 1)
+        self.err_var = (1 - w) * self.err_var + w * err * err
+        self.n += 1
+
+    @property
+    def stderr(self) -> float:
+        return math.sqrt(self.err_var)
+
+
+class ReplicaEstimator:
+    def __init__(self, lam: float = 0.97) -> None:
+        # Priors for an unknown engine: 50 ms base, 1 s per 1k prompt tokens, 20 ms TPOT.
+        self.ttft = RLS([0.05, 0.2, 0.0], lam)
+        self.tpot = RLS([0.02, 0.001], lam)
+        self.tokens_per_byte = 0.25
+        self.provider_queue_s = 0.0  # EWMA of provider-reported queue time (hosted APIs)
+
+    @staticmethod
+    def _ttft_x(work_tokens: float, decoding: float) -> list[float]:
+        w = work_tokens / 1000.0
+        return [1.0, w, w * decoding]
+
+    def predict_ttft(self, work_tokens: float, decoding: float) -> float:
+        base = self.ttft.theta[0]
+        pred = self.ttft.predict(self._ttft_x(work_tokens, decoding))
+        return max(pred, base, 0.0) + self.provider_queue_s
+
+    def predict_tpot(self, decoding: float) -> float:
+        return max(self.tpot.predict([1.0, decoding]), 0.0)
+
+    @property
+    def ttft_error_s(self) -> float:
+        """The estimator's stated error: two standard deviations of recent residuals."""
+        return 2.0 * self.ttft.stderr
+
+    def observe_ttft(self, work_tokens: float, decoding: float, seconds: float) -> None:
+        self.ttft.update(self._ttft_x(work_tokens, decoding), seconds)
+
+    def observe_tpot(self, decoding: float, seconds: float) -> None:
+        self.tpot.update([1.0, decoding], seconds)
+
+    def observe_prompt(self, body_bytes: int, prompt_tokens: int) -> None:
+        if body_bytes > 0 and prompt_tokens > 0:
+            self.tokens_per_byte += 0.1 * (prompt_tokens / body_bytes - self.tokens_per_byte)
+
+    def observe_provider_queue(self, seconds: float) -> None:
+        self.provider_queue_s += 0.2 * (seconds - self.provider_queue_s)
+
+    def snapshot(self) -> dict[str, Any]:
+        c0, c1, c2 = self.ttft.theta
+        a, b = self.tpot.theta
+        return {
+            "ttft_model": {"base_s": round(c0, 5), "s_per_1k_prompt_tokens": round(c1, 5),
+                           "s_per_1k_tokens_per_decoding_stream": round(c2, 6),
+                           "observations": self.ttft.n, "stated_error_s": round(self.ttft_error_s, 5)},
+            "tpot_model": {"base_s": round(a, 6), "s_per_decoding_stream": round(b, 7),
+                           "observations": self.tpot.n, "stderr_s": round(self.tpot.stderr, 6)},
+            "tokens_per_byte": round(self.tokens_per_byte, 4),
+            "provider_queue_s": round(self.provider_queue_s, 5),
+        }
