@@ -1,5 +1,6 @@
-"""The built-in engine simulator: an OpenAI-compatible server backed by a continuous-batching
-engine model (queue, chunked prefill, batch-dependent decode, prefix cache, fault injection).
+"""The built-in engine simulator: OpenAI (chat, completions, Responses; vLLM, Groq and Cerebras
+flavours) and Anthropic Messages wire formats backed by one continuous-batching engine model
+(queue, chunked prefill, batch-dependent decode, prefix cache, fault injection).
 
     from backends.sim import SimConfig, build_app
     app = build_app(SimConfig(decode_base_ms=2))
