@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 
+from backends.timeline import event_seen, json_object, token_seen
 from gateway.context import RequestContext
 from gateway.sse import SSEEvent
 
@@ -90,16 +91,11 @@ class StreamObserver:
 
     def on_event(self, ev: SSEEvent, t: int) -> bool:
         ctx = self.ctx
-        ctx.events += 1
-        if not ctx.t_first_event:
-            ctx.t_first_event = t
+        event_seen(ctx, t)
         if ev.event == b"ping":
             return True
-        try:
-            obj = orjson.loads(ev.data)
-        except orjson.JSONDecodeError:
-            return True
-        if not isinstance(obj, dict):
+        obj = json_object(ev.data)
+        if obj is None:
             return True
         kind = obj.get("type")
         token = visible = False
@@ -137,13 +133,7 @@ class StreamObserver:
             ctx.error_type = str((error.get("type") if isinstance(error, dict) else None)
                                  or "upstream_error")[:64]
         if token:
-            ctx.token_events += 1
-            ctx.token_ns.append(t)
-            ctx.t_last_token = t
-            if not ctx.t_first_token:
-                ctx.t_first_token = t
-            if visible and not ctx.t_first_visible:
-                ctx.t_first_visible = t
+            token_seen(ctx, t, visible)
         return True
 
 
@@ -163,11 +153,8 @@ def _read_usage(ctx: RequestContext, usage: Any, *, output: bool) -> None:
 
 def observe_response(ctx: RequestContext, body: bytes) -> None:
     """Read a non-streamed Message (id, model, usage, stop reason)."""
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return
-    if not isinstance(obj, dict):
+    obj = json_object(body)
+    if obj is None:
         return
     ctx.response_id = obj.get("id")
     ctx.response_model = obj.get("model")

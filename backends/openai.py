@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 
 import backends
+from backends.timeline import event_seen, json_object, token_seen
 from gateway.context import RequestContext
 from gateway.sse import SSEEvent
 
@@ -139,18 +140,13 @@ class StreamObserver:
 
     def on_event(self, ev: SSEEvent, t: int) -> bool:
         ctx = self.ctx
-        ctx.events += 1
-        if not ctx.t_first_event:
-            ctx.t_first_event = t
+        event_seen(ctx, t)
         data = ev.data
         if data[:6] == b"[DONE]":
             ctx.done = True
             return True
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return True  # not ours to judge; the client decides what to do with it
-        if not isinstance(obj, dict):
+        obj = json_object(data)
+        if obj is None:
             return True
         err = obj.get("error")
         if err:
@@ -187,13 +183,7 @@ class StreamObserver:
             if reason:
                 ctx.finish_reasons.append(reason)
         if token:
-            ctx.token_events += 1
-            ctx.token_ns.append(t)
-            ctx.t_last_token = t
-            if not ctx.t_first_token:
-                ctx.t_first_token = t
-            if visible and not ctx.t_first_visible:
-                ctx.t_first_visible = t
+            token_seen(ctx, t, visible)
         return True
 
 
@@ -264,11 +254,8 @@ def read_server_timing(ctx: RequestContext, obj: dict[str, Any]) -> None:
 
 def observe_response(ctx: RequestContext, body: bytes) -> None:
     """Read a non-streamed response body (id, model, usage, finish reasons)."""
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return
-    if not isinstance(obj, dict):
+    obj = json_object(body)
+    if obj is None:
         return
     ctx.response_id = obj.get("id")
     ctx.response_model = obj.get("model")

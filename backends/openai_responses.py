@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 
 from backends.openai import auth_headers, error_body  # same family: same auth, same errors
+from backends.timeline import event_seen, json_object, token_seen
 from gateway.context import RequestContext
 from gateway.sse import SSEEvent
 
@@ -56,26 +57,15 @@ class StreamObserver:
 
     def on_event(self, ev: SSEEvent, t: int) -> bool:
         ctx = self.ctx
-        ctx.events += 1
-        if not ctx.t_first_event:
-            ctx.t_first_event = t
-        try:
-            obj = orjson.loads(ev.data)
-        except orjson.JSONDecodeError:
-            return True
-        if not isinstance(obj, dict):
+        event_seen(ctx, t)
+        obj = json_object(ev.data)
+        if obj is None:
             return True
         kind = obj.get("type")
         visible = _TOKEN_DELTAS.get(kind)  # type: ignore[arg-type]
         if visible is not None:
             if obj.get("delta"):
-                ctx.token_events += 1
-                ctx.token_ns.append(t)
-                ctx.t_last_token = t
-                if not ctx.t_first_token:
-                    ctx.t_first_token = t
-                if visible and not ctx.t_first_visible:
-                    ctx.t_first_visible = t
+                token_seen(ctx, t, visible)
         elif kind == "response.created":
             _read_response(ctx, obj.get("response"))
         elif kind in _TERMINAL:
@@ -115,8 +105,4 @@ def _read_response(ctx: RequestContext, response: Any) -> None:
 
 def observe_response(ctx: RequestContext, body: bytes) -> None:
     """Read a non-streamed Response."""
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return
-    _read_response(ctx, obj)
+    _read_response(ctx, json_object(body))

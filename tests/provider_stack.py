@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from backends.sim import SimConfig, build_app as build_sim
@@ -60,6 +61,15 @@ class Stack:
 
     async def metrics(self) -> str:
         return await self.get(self.gw + "/metrics")
+
+
+def assert_provider_stages(record: dict[str, Any], timing: Any) -> None:
+    """The access log's provider stages are exactly what the provider reported (Groq's
+    usage timings, Cerebras' time_info: seconds) in ms."""
+    ms = record["ms"]
+    assert ms["provider_queue"] == pytest.approx(timing.queue_time * 1e3, abs=1e-3)
+    assert ms["provider_prefill"] == pytest.approx(timing.prompt_time * 1e3, abs=1e-3)
+    assert ms["provider_decode"] == pytest.approx(timing.completion_time * 1e3, abs=1e-3)
 
 
 @contextlib.asynccontextmanager

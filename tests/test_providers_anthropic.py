@@ -84,32 +84,25 @@ async def test_thinking_deltas_come_first() -> None:
     assert rec["ms"]["ttft"] < rec["ms"]["first_visible"] and rec["completion_tokens"] == 9
 
 
-async def test_upstream_error_event_raises_the_sdk_error() -> None:
+@pytest.mark.parametrize("fault,outcome,interruption", [
+    ("x-sim-error-after", "upstream_error", "upstream_error"),  # the upstream's error event
+    # a cut connection: the gateway ends the stream with an error event of its own
+    ("x-sim-cut-after", "upstream_truncated", "upstream_connection_lost"),
+])
+async def test_broken_stream_raises_the_sdk_error(fault: str, outcome: str,
+                                                  interruption: str) -> None:
     async with anthropic_stack() as s:
         c = client(s.gw)
         with pytest.raises(anthropic.APIStatusError) as e:
             async with c.messages.stream(model="m", max_tokens=50, messages=MESSAGES,
-                                         extra_headers={"x-sim-error-after": "3"}) as stream:
+                                         extra_headers={fault: "3"}) as stream:
                 async for _ in stream:
                     pass
         await c.close()
         rec = (await s.records())[0]
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "api_error"
-    assert rec["outcome"] == "upstream_error" and rec["error_type"] == "api_error"
-    assert rec["interruption"] == "upstream_error"
-
-
-async def test_cut_stream_ends_with_an_anthropic_error_event() -> None:
-    async with anthropic_stack() as s:
-        c = client(s.gw)
-        with pytest.raises(anthropic.APIStatusError) as e:
-            async with c.messages.stream(model="m", max_tokens=50, messages=MESSAGES,
-                                         extra_headers={"x-sim-cut-after": "3"}) as stream:
-                text = [t async for t in stream.text_stream]
-        await c.close()
-        rec = (await s.records())[0]
-    assert e.value.body["error"]["type"] == "api_error" and "closed" in e.value.body["error"]["message"]
-    assert rec["outcome"] == "upstream_truncated"
+    assert rec["outcome"] == outcome and rec["interruption"] == interruption
+    assert rec["token_events"] == 3
 
 
 async def test_http_errors_are_anthropic_errors() -> None:
