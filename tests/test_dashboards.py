@@ -141,6 +141,65 @@ def test_dashboard_structure() -> None:
     assert len(prom_targets(dash)) >= 40
 
 
+# -- Grafana's own schema ------------------------------------------------------------------------
+
+def _panel(dash: dict[str, Any], kind: str, nth: int = 0) -> dict[str, Any]:
+    return [p for p in all_panels(dash) if p["type"] == kind][nth]
+
+
+# Mistakes that the type check must catch, each with a word of tsc's message that names it.
+def _mistakes(dash: dict[str, Any]) -> list[str]:
+    _panel(dash, "timeseries", 0)["options"]["legend"]["displayMode"] = "tabel"
+    _panel(dash, "timeseries", 1)["options"]["tooltipp"] = {"mode": "multi"}
+    _panel(dash, "timeseries", 2)["fieldConfig"]["defaults"]["thresholds"]["mode"] = "absolut"
+    _panel(dash, "timeseries", 3)["targets"][0]["exprr"] = "up"
+    _panel(dash, "timeseries", 4)["fieldConfig"]["defaults"]["custom"]["drawStyle"] = "lines"
+    _panel(dash, "stat")["options"]["textMode"] = "valu"
+    _panel(dash, "heatmap")["options"]["color"]["mode"] = "schema"
+    _panel(dash, "row")["colapsed"] = False
+    dash["templating"]["list"][1]["refresh"] = 7
+    return ['"tabel"', '"tooltipp"', '"absolut"', '"exprr"', '"lines"', '"valu"', '"schema"',
+            '"colapsed"', "'7'"]
+
+
+def test_dashboard_type_checks_against_grafanas_schema(tmp_path: Path) -> None:
+    """tsc --noEmit over the dashboard as a `satisfies SlogateDashboard` literal: Grafana's
+    dashboard kind plus each panel plugin's options (dashboards/schema-check/check.ts). The same
+    check over a copy with known mistakes must report each of them."""
+    node = shutil.which("node")
+    assert node, "Node.js is not installed"
+    if not (SCHEMA_CHECK / "node_modules").is_dir():
+        subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=SCHEMA_CHECK, check=True,
+                       timeout=600)
+    # A private folder under the npm project (module resolution finds node_modules from there),
+    # so parallel runs do not collide.
+    (SCHEMA_CHECK / "build").mkdir(exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="run-", dir=SCHEMA_CHECK / "build"))
+    try:
+        dash = load_dashboard()
+        expected = _mistakes(dash)
+        broken = tmp_path / "mistakes.json"
+        broken.write_text(json.dumps(dash))
+        gen = SCHEMA_CHECK / "gen.mjs"
+        subprocess.run([node, str(gen), str(DASHBOARD), str(work / "dashboard.gen.ts")], check=True)
+        subprocess.run([node, str(gen), str(broken), str(work / "mistakes.gen.ts")], check=True)
+        (work / "tsconfig.json").write_text(json.dumps({
+            "extends": "../../tsconfig.json",
+            "files": ["../../check.ts", "dashboard.gen.ts", "mistakes.gen.ts"]}))
+        tsc = SCHEMA_CHECK / "node_modules" / "typescript" / "bin" / "tsc"
+        r = subprocess.run([node, str(tsc), "-p", str(work / "tsconfig.json"), "--pretty", "false"],
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    errors = [line for line in r.stdout.splitlines() if ": error TS" in line]
+    real = [e for e in errors if "dashboard.gen.ts" in e or "check.ts" in e]
+    assert not real, "slogate.json does not match Grafana's schema:\n" + "\n".join(real)
+    caught = [e for e in errors if "mistakes.gen.ts" in e]
+    for word in expected:
+        assert any(word in e for e in caught), (word, caught)
+    assert len(caught) == len(expected), caught
+
+
 # -- against a real Prometheus scraping a real gateway -------------------------------------------
 
 async def _request(s: aiohttp.ClientSession, url: str, model: str = "m", *,
