@@ -39,12 +39,7 @@ SCHEMA_CHECK = ROOT / "dashboards" / "schema-check"
 # The one list of metrics that nothing observes yet, with why. A dashboard or rule expression
 # over one of them must parse but may return no data; as soon as it returns data this test
 # fails, asking for the entry to be removed, so the list shrinks as the features land.
-PENDING: dict[str, str] = {
-    "slogate_admission_queue_wait_seconds":
-        "observed when admission control queues requests (issue 6; admission is off today)",
-    "slogate_ttft_prediction_error_seconds":
-        "observed when admission control predicts TTFT (issue 6)",
-}
+PENDING: dict[str, str] = {}
 
 # Grafana's own variables, as Grafana would set them for a short range on a 1 s scrape.
 GRAFANA_VARS = {"__rate_interval": "30s", "__interval": "5s", "__range": "5m"}
@@ -57,6 +52,11 @@ mode = "open"
 access_log = false
 [slo]
 default = "batch"
+# Admission on, with a small per-replica cap so that requests queue (and interactive ones may
+# be rejected): the admission panels get data.
+[admission]
+enabled = true
+max_concurrency = 4
 [[slo_classes]]
 name = "interactive"
 ttft_ms = 300
