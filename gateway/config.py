@@ -138,6 +138,8 @@ class BackendConfig:
     health_path: str = ""  # active health check: GET base_url's origin + this path
     health_interval_s: float = 5.0
     max_concurrency: int = 0  # admission's per-replica cap (0 = [admission].max_concurrency)
+    # send max_completion_tokens as max_tokens (llama.cpp's server ignores the newer name)
+    rename_max_completion_tokens: bool = False
 
     @property
     def wildcard(self) -> bool:
@@ -455,6 +457,8 @@ def _backend(i: int, table: Any, default_timeouts: Timeouts) -> BackendConfig:
         health_interval_s=_seconds(where, table, "health_interval_s", 5.0, positive=True),
         max_concurrency=_typed(where, table, "max_concurrency", int, 0,
                                "an integer >= 0 (0 = the [admission] default)"),
+        rename_max_completion_tokens=_typed(where, table, "rename_max_completion_tokens", bool,
+                                            False, "true or false"),
     )
 
 

@@ -216,7 +216,8 @@ class Proxy:
         ctx.server_address, ctx.server_port = replica.address, replica.port
         ctx.upstream_model = upstream_model
         send = dict(parsed)
-        changed = api.prepare_request(ctx, send)
+        ctx.usage_injected = False  # decided per attempt: backends differ
+        changed = api.prepare_request(ctx, send, replica.cfg)
         if upstream_model != send.get("model"):
             send["model"] = upstream_model
             changed = True
@@ -224,8 +225,12 @@ class Proxy:
         headers = upstream_request_headers(headers_in, forward_auth=replica.cfg.forward_client_auth)
         headers["Content-Type"] = "application/json"
         headers["X-Request-Id"] = ctx.request_id
+        btype = backends.backend_type(replica.cfg.type)
+        for name, value in getattr(btype, "DEFAULT_HEADERS", {}).items():
+            if name not in headers:  # e.g. anthropic-version, unless the client chose one
+                headers[name] = value
         if replica.api_key:
-            headers.update(backends.backend_type(replica.cfg.type).auth_headers(replica.api_key))
+            headers.update(btype.auth_headers(replica.api_key))
         url = replica.cfg.base_url + api.ROUTES[ctx.route]
         ctx.t_sent = now_ns()
         ctx.t_dispatched = ctx.t_dispatched or ctx.t_sent

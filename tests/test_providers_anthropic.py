@@ -124,8 +124,6 @@ async def test_http_errors_are_anthropic_errors() -> None:
     assert overloaded.value.body["error"]["type"] == "overloaded_error"
 
 
-@pytest.mark.xfail(strict=True, reason="needs gateway/proxy.py to send a backend type's "
-                                       "DEFAULT_HEADERS the client did not send")
 async def test_anthropic_version_is_added_when_the_client_sends_none() -> None:
     import aiohttp
 

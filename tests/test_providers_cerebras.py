@@ -55,8 +55,6 @@ async def test_whole_completion_and_legacy_completions() -> None:
     assert_provider_stages(text_rec, text.time_info)
 
 
-@pytest.mark.xfail(strict=True, reason="needs gateway/proxy.py to call api.prepare_request("
-                                       "ctx, send, replica.cfg): Cerebras streams usage unasked")
 async def test_usage_and_time_info_the_client_did_not_ask_for_are_not_dropped() -> None:
     async with cerebras_stack() as s:
         c = client(s.gw)
@@ -67,8 +65,6 @@ async def test_usage_and_time_info_the_client_did_not_ask_for_are_not_dropped() 
     assert last.time_info is not None  # what the client gets from Cerebras directly
 
 
-@pytest.mark.xfail(strict=True, reason="needs gateway/server.py to register "
-                                       "backends.LOCAL_ROUTES")
 async def test_tcp_warming_is_answered_by_the_gateway(caplog) -> None:
     caplog.set_level(logging.DEBUG)
     async with cerebras_stack() as s:

@@ -214,12 +214,8 @@ def test_max_completion_tokens_renamed_only_where_configured() -> None:
         False, {"max_completion_tokens": 9}, False)
 
 
-PASSES_BACKEND = pytest.mark.xfail(
-    strict=True, reason="needs gateway/proxy.py to call api.prepare_request(ctx, send, "
-                        "replica.cfg) and BackendConfig.rename_max_completion_tokens")
 
 
-@PASSES_BACKEND
 async def test_max_completion_tokens_reaches_a_llamacpp_backend_as_max_tokens() -> None:
     async with stack(backend={"provider": "llamacpp", "rename_max_completion_tokens": True}) as s:
         c = client(s.gw)
@@ -229,7 +225,6 @@ async def test_max_completion_tokens_reaches_a_llamacpp_backend_as_max_tokens() 
     assert sent["max_tokens"] == 3 and "max_completion_tokens" not in sent
 
 
-@PASSES_BACKEND
 async def test_vllm_stream_options_without_include_usage_keep_their_usage_chunk() -> None:
     async with stack(backend={"provider": "vllm"}) as s:
         c = client(s.gw)
