@@ -19,11 +19,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m gateway demo $(if $(DURATION),--duration $(DURATION))
 
-# Debian packages the tests drive for real: prometheus (+promtool), build tools for llama.cpp.
+# Debian packages the tests drive for real (prometheus, nginx, redis-server, docker-compose,
+# build tools for llama.cpp, node/npm for the dashboard schema check).
 system-deps:
 	bash scripts/install-system-deps.sh
 
-test: $(STAMP) system-deps
+# Grafana's own TypeScript schema, to type-check the dashboard (npm registry, pinned lockfile).
+dashboards/schema-check/node_modules: dashboards/schema-check/package-lock.json
+	cd dashboards/schema-check && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+test: $(STAMP) system-deps dashboards/schema-check/node_modules
 	bash scripts/install-llamacpp.sh $(PY)
 	$(PY) -m pytest
 

@@ -1,16 +1,32 @@
 #!/usr/bin/env bash
-# Installs the Debian packages the test suite needs, if they are missing. Idempotent and quick
-# when everything is present.
+# Installs the Debian packages the test suite drives for real, if they are missing:
+#   prometheus (+ promtool)   metrics scraping, rule unit tests
+#   nginx                     the gateway behind a real reverse proxy
+#   redis-server              shared admission state across gateway processes
+#   docker-compose            `docker-compose config` validation of the stack (no engine needed)
+#   cmake, g++, gcc           building llama.cpp's server for the real-engine test
+# Idempotent and quick when everything is present.
 set -euo pipefail
 need=()
-command -v prometheus >/dev/null || need+=(prometheus)   # real Prometheus + promtool
-command -v cmake >/dev/null || need+=(cmake)
-command -v g++ >/dev/null || need+=(g++)
-command -v gcc >/dev/null || need+=(gcc)
+have() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/usr/bin/$1" ]; }
+have prometheus || need+=(prometheus)
+have nginx || need+=(nginx)
+have redis-server || need+=(redis-server)
+have docker-compose || need+=(docker-compose)
+have cmake || need+=(cmake)
+have g++ || need+=(g++)
+have gcc || need+=(gcc)
+have node || need+=(nodejs)
+have npm || need+=(npm)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi
 if [ "$(id -u)" != 0 ]; then SUDO=sudo; else SUDO=; fi
 echo "installing Debian packages: ${need[*]}"
 $SUDO apt-get update -qq
+# Packages whose post-install scripts would start a system service: none of that here; the
+# tests start their own instances on free ports.
+printf '#!/bin/sh\nexit 101\n' | $SUDO tee /usr/sbin/policy-rc.d >/dev/null
+$SUDO chmod +x /usr/sbin/policy-rc.d
 DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}"
+$SUDO rm -f /usr/sbin/policy-rc.d
