@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 
+import pytest
 from groq import AsyncGroq
 
 from provider_stack import assert_provider_stages, stack
@@ -22,8 +23,8 @@ def client(base: str) -> AsyncGroq:
 
 
 async def test_stream_x_groq_timings_become_provider_stages() -> None:
-    # One sequence at a time: the second request waits for the first, so Groq's queue_time
-    # is the engine's real queueing, not a constant.
+    # One sequence at a time, two requests: the later one waits in the engine's queue until
+    # the first is done, and Groq's queue_time says exactly that.
     async with groq_stack(sim={"max_batch": 1, "decode_base_ms": 3.0}) as s:
         c = client(s.gw)
 
@@ -31,25 +32,30 @@ async def test_stream_x_groq_timings_become_provider_stages() -> None:
             stream = await c.chat.completions.create(model="m", messages=MESSAGES, stream=True,
                                                      max_tokens=5)
             chunks = [chunk async for chunk in stream]
-            assert chunks[0].x_groq.id and chunks[-1].x_groq.id == chunks[0].x_groq.id
+            groq_id = chunks[0].x_groq.id
+            assert groq_id and chunks[-1].x_groq.id == groq_id
             assert all(chunk.system_fingerprint for chunk in chunks)
             text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-            return text, chunks[-1].x_groq.usage
+            return text, groq_id, chunks[-1].x_groq.usage
 
-        (text_a, usage_a), (text_b, usage_b) = await asyncio.gather(one(), one())
+        answers = await asyncio.gather(one(), one())
         await c.close()
         recs = await s.records(2)
         prom = await s.metrics()
         seen = await s.sim_requests()
-    assert text_a == text_b and text_a
-    assert {r["path"] for r in seen} == {ROUTE}
-    by_queue = sorted([usage_a, usage_b], key=lambda u: u.queue_time)
-    assert by_queue[1].queue_time >= by_queue[0].prompt_time + by_queue[0].completion_time - 1e-3
-    assert by_queue[0].completion_tokens == 5
+    assert answers[0][0] == answers[1][0] and answers[0][0]
+    assert [r["path"] for r in seen] == [ROUTE, ROUTE]
+    # The simulator names the Groq request after the gateway's X-Request-Id.
+    usage = {groq_id: u for _, groq_id, u in answers}
+    first, second = (usage["req_" + r["headers"]["x-request-id"]] for r in seen)
+    arrived_later_s = seen[1]["time"] - seen[0]["time"]
+    first_done_s = first.queue_time + first.prompt_time + first.completion_time
+    assert second.queue_time == pytest.approx(first_done_s - arrived_later_s, abs=2e-3)
+    assert first.completion_tokens == second.completion_tokens == 5
     for rec in recs:
         assert rec["route"] == ROUTE and rec["completion_tokens"] == 5
-        assert_provider_stages(rec, next(u for u in (usage_a, usage_b)
-                                if abs(u.queue_time * 1e3 - rec["ms"]["provider_queue"]) < 1e-3))
+        assert_provider_stages(rec, next(u for u in usage.values()
+                                         if abs(u.queue_time * 1e3 - rec["ms"]["provider_queue"]) < 1e-3))
     for stage in ("queue", "prefill", "decode"):
         assert re.search(rf'slogate_provider_{stage}_seconds_count\{{backend="sim",model="m",'
                          rf'route="{ROUTE}"\}} 2\.0', prom), stage

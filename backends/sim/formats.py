@@ -191,7 +191,11 @@ def vllm_metrics(seq: Any) -> dict[str, Any]:
 
 
 def groq_request_id(rid: str) -> str:
-    return "req_" + rid.rsplit("-", 1)[-1]
+    return "req_" + rid.partition("-")[2]
+
+
+def tool_call_id(rid: str) -> str:
+    return "call_" + rid.partition("-")[2]
 
 
 def _head(rid: str, obj: str, created: int, model: str, flavour: str) -> bytes:
@@ -261,7 +265,7 @@ class OpenAIChatStream(_OpenAIStream):
         else:
             self.body_pre = start + b'"tool_calls":[{"index":0,"function":{"arguments":"'
             self.body_suf, self.words = b'"}}]}' + _CLOSE_CHOICE, WORDS_ARG_JSON
-            call = {"index": 0, "id": "call_" + rid.rsplit("-", 1)[-1], "type": "function",
+            call = {"index": 0, "id": tool_call_id(rid), "type": "function",
                     "function": {"name": out.tool, "arguments": ""}}
             self.tool_open = (start + b'"tool_calls":[' + orjson.dumps(call) + b"]}"
                               + _CLOSE_CHOICE)
@@ -346,7 +350,7 @@ def chat_body(rid: str, created: int, model: str, seq: Any, out: Output = Output
     reason = seq.finish_reason
     if out.called_tool(seq):
         message["content"] = None
-        message["tool_calls"] = [{"id": "call_" + rid.rsplit("-", 1)[-1], "type": "function",
+        message["tool_calls"] = [{"id": tool_call_id(rid), "type": "function",
                                   "function": {"name": out.tool,
                                                "arguments": tool_arguments(text)}}]
         reason = "tool_calls" if reason == "stop" else reason
