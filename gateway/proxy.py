@@ -164,14 +164,23 @@ class Proxy:
     async def _with_retries(self, request, ctx, api, parsed, body, watchdog, headers_in,
                             state) -> web.StreamResponse:
         tried: list[Replica] = []
+        try:  # the common case: one attempt, nothing spent on retry machinery
+            return await self._attempt(request, ctx, api, parsed, body, watchdog, headers_in,
+                                       state, tried)
+        except AttemptFailed as e:
+            if not e.retryable or self.retry.max_attempts == 1:
+                return self._final_failure(ctx, api, e)
+            first_failure: AttemptFailed | None = e
         retrying = AsyncRetrying(
             stop=self._stop(ctx), wait=self._wait, reraise=True,
             retry=retry_if_exception(lambda e: isinstance(e, AttemptFailed) and e.retryable))
         try:
             async for attempt in retrying:
                 with attempt:
-                    if ctx.t_sent:  # not the first attempt: the previous one failed
-                        ctx.new_attempt(state["failed"], self.tracing.end_attempt(ctx, state["failed"]))
+                    if first_failure is not None:  # attempt 1, already made: tenacity waits
+                        failure, first_failure = first_failure, None
+                        raise failure
+                    ctx.new_attempt(state["failed"], self.tracing.end_attempt(ctx, state["failed"]))
                     return await self._attempt(request, ctx, api, parsed, body, watchdog,
                                                headers_in, state, tried)
         except AttemptFailed as e:
@@ -231,7 +240,7 @@ class Proxy:
                 headers[name] = value
         if replica.api_key:
             headers.update(btype.auth_headers(replica.api_key))
-        url = replica.cfg.base_url + api.ROUTES[ctx.route]
+        url = replica.url(api.ROUTES[ctx.route])
         ctx.t_sent = now_ns()
         ctx.t_dispatched = ctx.t_dispatched or ctx.t_sent
         watchdog.attempt(timeouts.first_token_s if ctx.stream else timeouts.total_s,

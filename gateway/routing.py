@@ -8,6 +8,7 @@ from typing import Callable, Collection, Iterator
 from urllib.parse import urlsplit
 
 import aiohttp
+from yarl import URL
 
 import backends
 from gateway import health
@@ -41,7 +42,7 @@ class Replica:
     """One configured backend: its config, its own connection pool and its health."""
 
     __slots__ = ("cfg", "session", "api_key", "address", "port", "breaker", "healthy",
-                 "_health_task")
+                 "_health_task", "_urls")
 
     def __init__(self, cfg: BackendConfig, breaker: BreakerPolicy,
                  on_state: Callable[[str, int], None] = lambda name, state: None) -> None:
@@ -53,6 +54,7 @@ class Replica:
         self.breaker = Breaker(breaker, lambda state: on_state(cfg.name, state))
         self.healthy = True  # from active checks (always true without them)
         self._health_task: asyncio.Task | None = None
+        self._urls: dict[str, URL] = {}
         connector = TimedConnector(limit=cfg.pool_size, limit_per_host=cfg.pool_size)
         self.session = aiohttp.ClientSession(
             connector=connector,
@@ -68,6 +70,13 @@ class Replica:
     @property
     def name(self) -> str:
         return self.cfg.name
+
+    def url(self, suffix: str) -> URL:
+        """The upstream URL for a path suffix (parsed once, not per request)."""
+        url = self._urls.get(suffix)
+        if url is None:
+            url = self._urls[suffix] = URL(self.cfg.base_url + suffix)
+        return url
 
     def available(self) -> bool:
         return self.healthy and self.breaker.available()

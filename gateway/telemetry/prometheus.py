@@ -40,6 +40,7 @@ class Histogram(Collector):
         self.doc = doc
         self.labelnames = tuple(labelnames)
         self.bounds = tuple(sorted(set(buckets)))
+        self._bounds_ns = tuple(int(b * 1e9) for b in self.bounds)
         self._le = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
         self._series: dict[tuple[str, ...], list] = {}  # labels -> [counts, sum]
 
@@ -62,6 +63,17 @@ class Histogram(Collector):
             total += v
         s[1] += total
 
+    def observe_gaps_ns(self, labels: tuple[str, ...], stamps: list[int]) -> None:
+        """One observation per gap between successive monotonic-ns stamps (integer math: no
+        float list per request)."""
+        s = self._get(labels)
+        counts, bounds = s[0], self._bounds_ns
+        prev = stamps[0]
+        for t in stamps[1:]:
+            counts[bisect_left(bounds, t - prev)] += 1
+            prev = t
+        s[1] += (stamps[-1] - stamps[0]) / 1e9
+
     def collect(self):
         fam = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
         for labels, (counts, total) in list(self._series.items()):
@@ -82,6 +94,7 @@ class Metrics:
     def __init__(self, slo_thresholds_s: Iterable[float] = (), slo_classes: Iterable[str] = (),
                  backend_names: Iterable[str] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[int, tuple[str, ...]], object] = {}
         thresholds = tuple(slo_thresholds_s)
         lat = LATENCY_BUCKETS + thresholds
         tok = TOKEN_BUCKETS + thresholds
@@ -161,19 +174,34 @@ class Metrics:
         self.breaker = Gauge("slogate_backend_breaker_state",
                              "Circuit breaker per backend replica: 0 closed, 1 half-open, 2 open.",
                              ("backend",), registry=self.registry)
+        self.shared_state = Gauge("slogate_admission_shared_state",
+                                  "Where admission keeps its per-replica counts: 1 on the state in "
+                                  "use (redis = shared across gateways, local = this gateway's "
+                                  "share only, Redis unreachable).", ("state",),
+                                  registry=self.registry)
         for cls in slo_classes:
             self.queue_depth.labels(cls).set(0)
         for name in backend_names:
             self.breaker.labels(name).set(0)
 
+    def _child(self, metric, labels: tuple[str, ...]):
+        """metric.labels(*labels), cached: prometheus_client's lookup costs a lock and a
+        label check per call, and every request makes a dozen."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def observe(self, ctx: RequestContext) -> None:
         """Everything about one finished request."""
+        child = self._child
         base = (ctx.backend or "none", ctx.model_label, ctx.route)
         slo_name = ctx.slo.name if ctx.slo is not None else "none"
         with_slo = base + (slo_name,)
-        self.requests.labels(*base, ctx.outcome or "unknown").inc()
+        child(self.requests, base + (ctx.outcome or "unknown",)).inc()
         if ctx.verdict:
-            self.slo_requests.labels(*with_slo, ctx.verdict).inc()
+            child(self.slo_requests, with_slo + (ctx.verdict,)).inc()
         if ctx.t_end:
             self.duration.observe(with_slo, (ctx.t_end - ctx.t_received) / 1e9)
         ttft = ctx.ttft_s()
@@ -183,7 +211,7 @@ class Metrics:
         if tpot is not None:
             self.tpot.observe(with_slo, tpot)
         if len(ctx.token_ns) > 1:
-            self.itl.observe_many(base, ctx.itl_s())
+            self.itl.observe_gaps_ns(base, ctx.token_ns)
         if ctx.t_sent:
             self.gateway_queue.observe(base, (ctx.t_sent - ctx.t_received) / 1e9)
             self.overhead.observe(base, ctx.overhead_s())
@@ -197,10 +225,10 @@ class Metrics:
             if value is not None:
                 hist.observe(base, value)
         if ctx.prompt_tokens:
-            self.tokens.labels(*base, "prompt").inc(ctx.prompt_tokens)
+            child(self.tokens, base + ("prompt",)).inc(ctx.prompt_tokens)
         if ctx.completion_tokens:
-            self.tokens.labels(*base, "completion").inc(ctx.completion_tokens)
+            child(self.tokens, base + ("completion",)).inc(ctx.completion_tokens)
         if ctx.cancel_phase:
-            self.cancellations.labels(*base, ctx.cancel_phase).inc()
+            child(self.cancellations, base + (ctx.cancel_phase,)).inc()
         if ctx.interruption:
-            self.interruptions.labels(*base, ctx.interruption).inc()
+            child(self.interruptions, base + (ctx.interruption,)).inc()
