@@ -24,6 +24,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from gateway.admission import engine_metrics
 from gateway.admission.estimator import ReplicaEstimator
 from gateway.config import AdmissionConfig
 from gateway.context import OK, RequestContext, now_ns
@@ -39,7 +40,7 @@ class ReplicaLoad:
     """What this gateway has put on one replica."""
 
     __slots__ = ("replica", "est", "prefill_tokens", "prefilling", "decoding", "tpot_targets",
-                 "cap", "engine_waiting", "engine_running", "avg_tokens")
+                 "cap", "engine_waiting", "engine_running", "engine_kv_usage", "avg_tokens")
 
     def __init__(self, replica: Replica, est: ReplicaEstimator, cap: int) -> None:
         self.replica = replica
@@ -51,6 +52,7 @@ class ReplicaLoad:
         self.cap = cap
         self.engine_waiting = 0.0  # from the engine's own /metrics, when scraped
         self.engine_running = 0.0
+        self.engine_kv_usage: float | None = None
         self.avg_tokens = 500.0  # EWMA of admitted prompt tokens (for engine-reported queues)
 
     @property
@@ -69,10 +71,16 @@ class ReplicaLoad:
     def min_tpot_target_s(self) -> float:
         return min(self.tpot_targets) if self.tpot_targets else math.inf
 
+    def engine_report(self, values: dict[str, float]) -> None:
+        self.engine_waiting = values.get("waiting", 0.0)
+        self.engine_running = values.get("running", 0.0)
+        self.engine_kv_usage = values.get("kv_usage")
+
     def snapshot(self) -> dict[str, Any]:
         return {"prefill_tokens": round(self.prefill_tokens), "prefilling": self.prefilling,
                 "decoding": self.decoding, "cap": self.cap,
-                "engine_waiting": self.engine_waiting, "engine_running": self.engine_running,
+                "engine": {"waiting": self.engine_waiting, "running": self.engine_running,
+                           "kv_cache_usage": self.engine_kv_usage},
                 "healthy": self.replica.available(), **self.est.snapshot()}
 
 
@@ -183,6 +191,21 @@ class AdmissionController:
         self._seq = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
         self._waking = False
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        """Background work: scraping engines' own load when configured."""
+        if self.cfg.engine_metrics:
+            for load in self.loads.values():
+                self._tasks.append(asyncio.create_task(engine_metrics.scrape_forever(
+                    load.replica.session, load.replica.cfg.base_url,
+                    self.cfg.engine_metrics_interval_s, load.engine_report)))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
 
     def load_of(self, replica: Replica) -> ReplicaLoad:
         load = self.loads.get(replica.name)

@@ -1,0 +1,62 @@
+"""An engine's own view of its load, for engines shared with clients the gateway cannot see:
+`vllm:num_requests_waiting` / `vllm:num_requests_running` (SGLang: `sglang:num_queue_reqs` /
+`sglang:num_running_reqs`) scraped from its Prometheus endpoint in the background."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+from urllib.parse import urlsplit
+
+import aiohttp
+
+log = logging.getLogger("slogate.admission")
+
+WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+
+
+def parse(text: str) -> dict[str, float]:
+    """Sum each gauge of interest over its label sets (several models or engines)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        for key, names in (("waiting", WAITING), ("running", RUNNING), ("kv_usage", KV_USAGE)):
+            if name in names:
+                try:
+                    value = float(line.rsplit(" ", 1)[1])
+                except (IndexError, ValueError):
+                    continue
+                out[key] = max(out.get(key, 0.0), value) if key == "kv_usage" \
+                    else out.get(key, 0.0) + value
+    return out
+
+
+def metrics_url(base_url: str) -> str:
+    """/metrics lives on the server root, not under /v1 (vLLM, SGLang)."""
+    parts = urlsplit(base_url)
+    return f"{parts.scheme}://{parts.netloc}/metrics"
+
+
+async def scrape_forever(session: aiohttp.ClientSession, base_url: str, interval_s: float,
+                         report: Callable[[dict[str, float]], None]) -> None:
+    url = metrics_url(base_url)
+    timeout = aiohttp.ClientTimeout(total=max(0.5, interval_s))
+    failing = False
+    while True:
+        try:
+            async with session.get(url, timeout=timeout) as r:
+                if r.status == 200:
+                    report(parse(await r.text()))
+                    failing = False
+                elif not failing:
+                    log.warning("engine metrics %s answered %d", url, r.status)
+                    failing = True
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            if not failing:
+                log.warning("engine metrics %s unreachable: %s", url, type(e).__name__)
+                failing = True
+        await asyncio.sleep(interval_s)
