@@ -243,13 +243,15 @@ def slo_row() -> dict[str, Any]:
              "(DistServe goodput; failed, rejected and cancelled requests count as misses), "
              "over the dashboard's time range, per SLO class.",
              targets(target(goodput("$__range"), "{{slo_class}}", instant=True)),
-             "percentunit", ((None, "red"), (0.95, "orange"), (0.99, "green")), decimals=2),
+             "percentunit", ((None, "red"), (0.95, "orange"), (0.99, "green")), decimals=2,
+             h=8),
         stat("Error budget remaining over the selected range",
              "1 − (misses ÷ misses allowed by the objective) over the dashboard's time range: "
              "100% = nothing spent, 0% = spent, below 0 = overspent. The objective is the "
              "recording rule slogate:slo_objective:ratio (dashboards/prometheus/alerts.yml).",
              targets(target(budget, "{{slo_class}}", instant=True)),
-             "percentunit", ((None, "red"), (0.25, "orange"), (0.5, "green")), decimals=1),
+             "percentunit", ((None, "red"), (0.25, "orange"), (0.5, "green")), decimals=1,
+             h=8),
         timeseries("Goodput ratio by SLO class",
                    "Requests meeting their SLO ÷ all finished requests, per class, against "
                    "the objective.",
@@ -280,7 +282,7 @@ def slo_row() -> dict[str, Any]:
                    "tpot_missed, both_missed, e2e_missed, failed.",
                    targets((f"sum by (verdict) ({rate('slogate_slo_requests_total', BMS)})",
                             "{{verdict}}")),
-                   "reqps", stack=True),
+                   "reqps", stack=True, w=24, h=7),
     ])
 
 
@@ -417,7 +419,7 @@ def traffic_row() -> dict[str, Any]:
              "out of all configured.",
              targets(target(f"sum(up{{{JOB}}})", "up", instant=True),
                      target(f"count(up{{{JOB}}})", "configured", instant=True)),
-             "short", ((None, "red"), (1, "green")), w=4),
+             "short", ((None, "red"), (1, "green")), w=4, h=8),
     ])
 
 
