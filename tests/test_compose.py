@@ -271,5 +271,7 @@ async def test_nginx_config_streams_sse_unbuffered() -> None:
             proc.wait(10)
         shutil.rmtree(tmp, ignore_errors=True)
     assert len(arrivals) == 5, arrivals
+    # Buffered, they would arrive together at the end; allow one pair to bunch up on a busy
+    # machine.
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    assert all(g > 0.1 for g in gaps), gaps
+    assert arrivals[-1] - arrivals[0] >= 0.5 and sum(g > 0.05 for g in gaps) >= 3, gaps
