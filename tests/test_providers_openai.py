@@ -155,6 +155,7 @@ async def test_responses_upstream_error_and_gateway_error_events() -> None:
     assert name == "event: error" and error["type"] == "error"
     assert error["code"] == "stream_truncated" and error["message"]
     last = json.loads(events[-2].split("\n")[1].removeprefix("data: "))
+    # The number is written only when the relay passes the context to stream_error_event.
     assert error.get("sequence_number", last["sequence_number"] + 1) == last["sequence_number"] + 1
     assert recs[1]["outcome"] == "upstream_truncated"
 
