@@ -1,0 +1,475 @@
+"""Admission state shared by several gateway processes through Redis.
+
+Per backend replica one hash, `slogate:inflight:<backend>`: field = gateway id, value = that
+gateway's requests in flight there. A request is admitted to a replica only if one atomic Lua
+script finds the sum of the live fields below the replica's cap, and then increments this
+gateway's field, so the cap holds exactly across gateways. Each gateway keeps a lease,
+`slogate:lease:<gateway id>`, refreshed every lease_s/3 with a TTL of lease_s; the script ignores
+and deletes the fields of gateways whose lease is gone, so a gateway that died (SIGKILL, host
+lost) frees its slots after at most lease_s.
+
+Each gateway also publishes what it has queued and in prefill per replica (`slogate:work`, one
+field per gateway, refreshed with the lease) so the others can see it in /admin/admission and,
+if the controller wants, count it as work ahead (`remote_prefill_tokens`).
+
+Redis unreachable (at start, or any call failing or taking longer than `timeout_s`): the gateway
+falls back to local accounting, admitting up to floor(cap * redis_share) (at least 1) per
+replica on its own, says so in the log (once per transition) and in the gauge
+`slogate_admission_shared_state{state="redis"|"local"}`, and keeps trying to reconnect in the
+background. When Redis is back, this gateway's fields are reset to its current local counts
+(resync) and shared accounting resumes. A call never blocks admission for more than about
+2 x timeout_s, and only the calls that meet the outage pay that: once local, admission makes no
+Redis calls at all.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import itertools
+import logging
+import math
+import os
+import socket
+import time
+import uuid
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import orjson
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+# No CLIENT SETINFO on connect (redis-py >= 7 takes driver_info=None; older, lib_name=None).
+NO_SETINFO: dict[str, Any] = (
+    {"driver_info": None} if importlib.util.find_spec("redis.driver_info")
+    else {"lib_name": None, "lib_version": None})
+
+from gateway.config import AdmissionConfig
+
+log = logging.getLogger("slogate.admission")
+
+PREFIX = "slogate:"
+LEASE_PREFIX = PREFIX + "lease:"
+INFLIGHT_PREFIX = PREFIX + "inflight:"
+WORK_KEY = PREFIX + "work"
+REDIS, LOCAL = "redis", "local"
+
+# KEYS[1] the replica's in-flight hash. ARGV: gateway id, cap, lease key prefix.
+# Returns {1 if admitted else 0, live in-flight total after the call}.
+ACQUIRE_LUA = """
+local fields = redis.call('HGETALL', KEYS[1])
+local total = 0
+for i = 1, #fields, 2 do
+  local gid = fields[i]
+  local n = tonumber(fields[i + 1]) or 0
+  if gid == ARGV[1] or redis.call('EXISTS', ARGV[3] .. gid) == 1 then
+    if n > 0 then total = total + n end
+  else
+    redis.call('HDEL', KEYS[1], gid)
+  end
+end
+if total < tonumber(ARGV[2]) then
+  redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
+  return {1, total + 1}
+end
+return {0, total}
+"""
+
+# KEYS[1] the replica's in-flight hash. ARGV[1] gateway id. Never goes below zero.
+RELEASE_LUA = """
+local n = redis.call('HINCRBY', KEYS[1], ARGV[1], -1)
+if n <= 0 then redis.call('HDEL', KEYS[1], ARGV[1]) end
+return n
+"""
+
+# KEYS[1] this gateway's lease, KEYS[2..] in-flight hashes. ARGV: gateway id, lease ms, then
+# this gateway's count for each hash. Sets the lease and overwrites this gateway's fields.
+RESYNC_LUA = """
+redis.call('SET', KEYS[1], '1', 'PX', ARGV[2])
+for i = 2, #KEYS do
+  local n = tonumber(ARGV[i + 1])
+  if n > 0 then redis.call('HSET', KEYS[i], ARGV[1], n)
+  else redis.call('HDEL', KEYS[i], ARGV[1]) end
+end
+return 1
+"""
+
+# KEYS[1] the work hash. ARGV: gateway id, this gateway's work (JSON), lease key prefix.
+# Publishes ours, drops dead gateways' entries, returns the others' {id, json, ...}.
+WORK_LUA = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+local fields = redis.call('HGETALL', KEYS[1])
+local out = {}
+for i = 1, #fields, 2 do
+  local gid = fields[i]
+  if gid ~= ARGV[1] then
+    if redis.call('EXISTS', ARGV[3] .. gid) == 1 then
+      out[#out + 1] = gid
+      out[#out + 1] = fields[i + 1]
+    else
+      redis.call('HDEL', KEYS[1], gid)
+    end
+  end
+end
+return out
+"""
+
+# KEYS[1] this gateway's lease, KEYS[2] the work hash, KEYS[3..] in-flight hashes.
+# ARGV[1] gateway id. A clean shutdown: give everything back now rather than after the lease.
+LEAVE_LUA = """
+redis.call('DEL', KEYS[1])
+for i = 2, #KEYS do redis.call('HDEL', KEYS[i], ARGV[1]) end
+return 1
+"""
+
+_FAILURES = (RedisError, OSError, asyncio.TimeoutError)
+MAX_CALLS = 8  # Redis calls in flight per gateway (the rest wait their turn, untimed)
+
+
+class _Stale(Exception):
+    """The state changed while a call waited for its turn: it must not go to Redis."""
+
+
+def gateway_id() -> str:
+    """Unique per process: hostname, pid and a random part (pids repeat across containers)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def redact(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password:
+        netloc = parts.netloc.rsplit("@", 1)[1]
+        user = f"{parts.username}:***@" if parts.username else ":***@"
+        return urlunsplit(parts._replace(netloc=user + netloc))
+    return url
+
+
+class SharedState:
+    """Global per-replica concurrency caps and shared work, with a local fallback."""
+
+    def __init__(self, cfg: AdmissionConfig, metrics: Any = None, *,
+                 timeout_s: float = 0.05, gid: str | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.timeout_s = timeout_s
+        self.gid = gid or gateway_id()
+        self.url = redact(cfg.redis_url)
+        self.lease_ms = max(1, int(cfg.lease_s * 1000))
+        self.refresh_s = cfg.lease_s / 3
+        self.retry_s = min(1.0, self.refresh_s)
+        self.state = LOCAL
+        self.local: dict[str, int] = {}  # this gateway's in-flight per replica (authoritative)
+        self.limits: dict[str, int] = {}  # last cap seen per replica
+        self.remote_work: dict[str, dict[str, Any]] = {}  # other gateways' published work
+        self.global_in_flight: dict[str, dict[str, int]] = {}  # last read of the hashes
+        self.transitions = 0
+        self.last_error = ""
+        self.acquires = 0
+        self.local_acquires = 0
+        self.rejects = 0
+        self._epoch = itertools.count()
+        self.epoch = next(self._epoch)
+        self._ctrl: Any = None
+        self._task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._closing = False
+        self._sem = asyncio.Semaphore(MAX_CALLS)
+        self.r = aioredis.from_url(
+            cfg.redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0), health_check_interval=0,
+            max_connections=2 * MAX_CALLS,
+            # A new connection is one TCP connect, no handshake round trips (which a burst of
+            # new connections would pay within the connect timeout).
+            **NO_SETINFO)
+        self._acquire = self.r.register_script(ACQUIRE_LUA)
+        self._release = self.r.register_script(RELEASE_LUA)
+        self._resync = self.r.register_script(RESYNC_LUA)
+        self._work = self.r.register_script(WORK_LUA)
+        self._leave = self.r.register_script(LEAVE_LUA)
+        self._set_gauge()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def attach(self, controller: Any) -> None:
+        """Publish this controller's queued and prefill work with each lease refresh."""
+        self._ctrl = controller
+
+    async def start(self) -> None:
+        """Connect once (briefly); on failure start local and keep retrying in the background.
+        Never raises for an unreachable Redis: the gateway must start without it."""
+        try:
+            await self._connect()
+        except _FAILURES as e:
+            self.last_error = _describe(e)
+            log.warning("admission: Redis at %s unreachable (%s); using local accounting "
+                        "(%.0f%% of each replica's cap) and retrying in the background",
+                        self.url, self.last_error, 100 * self.cfg.redis_share)
+        else:
+            self._to(REDIS, quiet=True)
+            log.info("admission: shared state in Redis at %s (gateway %s, lease %.1f s)",
+                     self.url, self.gid, self.cfg.lease_s)
+        self._task = asyncio.create_task(self._loop(), name="slogate-shared-state")
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=1.0)
+        if self.state == REDIS:
+            keys = [LEASE_PREFIX + self.gid, WORK_KEY] + [INFLIGHT_PREFIX + b for b in self.local]
+            try:
+                await self._call(self._leave, keys=keys, args=[self.gid])
+            except _FAILURES:
+                pass
+        try:
+            await self.r.aclose()
+        except _FAILURES:
+            pass
+
+    # -- the controller's interface ----------------------------------------------------------
+
+    def local_cap(self, limit: int) -> int:
+        return max(1, math.floor(limit * self.cfg.redis_share))
+
+    async def try_acquire(self, backend: str, limit: int) -> bool:
+        """Claim one of `limit` slots on `backend`, across all gateways (with Redis) or out of
+        this gateway's share (without)."""
+        self.limits[backend] = limit
+        if self.state == REDIS:
+            epoch = self.epoch
+            # Shielded: if the caller is cancelled (the client left) the script may still have
+            # taken the slot; then it is given back when the answer arrives.
+            call = asyncio.ensure_future(self._call(
+                self._acquire, keys=[INFLIGHT_PREFIX + backend],
+                args=[self.gid, limit, LEASE_PREFIX], epoch=epoch))
+            try:
+                ok, _total = await asyncio.shield(call)
+            except asyncio.CancelledError:
+                call.add_done_callback(lambda t: self._abandoned(backend, t, epoch))
+                raise
+            except _Stale:
+                pass  # went local while waiting: decide locally
+            except _FAILURES as e:
+                self._lost(e, epoch)
+            else:
+                if ok:
+                    self.local[backend] = self.local.get(backend, 0) + 1
+                    self.acquires += 1
+                    return True
+                self.rejects += 1
+                return False
+        n = self.local.get(backend, 0)
+        if n < self.local_cap(limit):
+            self.local[backend] = n + 1
+            self.local_acquires += 1
+            return True
+        self.rejects += 1
+        return False
+
+    def _abandoned(self, backend: str, call: asyncio.Future, epoch: int) -> None:
+        if call.cancelled():
+            return
+        e = call.exception()
+        if e is None:
+            if call.result()[0] and not self._closing:
+                self._spawn(self._release_remote(backend, epoch))
+        elif isinstance(e, _FAILURES):
+            self._lost(e, epoch)
+
+    def release(self, backend: str) -> None:
+        """Give a slot back; never blocks (the Redis update runs in a task)."""
+        n = self.local.get(backend, 0)
+        if n <= 0:
+            return  # not ours (a mismatched release must not free another gateway's slot)
+        self.local[backend] = n - 1
+        if self.state == REDIS and not self._closing:
+            self._spawn(self._release_remote(backend, self.epoch))
+
+    def move(self, src: str, dst: str) -> None:
+        """A request already admitted to `src` is being retried on `dst`: its slot moves with
+        it (unconditionally: the retry is under way). Never blocks."""
+        if src == dst or self.local.get(src, 0) <= 0:
+            return
+        self.release(src)
+        self.local[dst] = self.local.get(dst, 0) + 1
+        if self.state == REDIS and not self._closing:
+            self._spawn(self._force_acquire(dst, self.epoch))
+
+    def remote_prefill_tokens(self, backend: str) -> float:
+        """Prompt tokens other gateways have admitted to `backend` and not yet seen a first
+        token for (as of their last publish, at most lease_s/3 old)."""
+        if self.state != REDIS:
+            return 0.0
+        return sum(w.get("replicas", {}).get(backend, {}).get("prefill_tokens", 0.0)
+                   for w in self.remote_work.values())
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "state": self.state, "redis_url": self.url, "gateway_id": self.gid,
+            "lease_s": self.cfg.lease_s, "redis_share": self.cfg.redis_share,
+            "local_caps": {b: self.local_cap(c) for b, c in self.limits.items()},
+            "in_flight_here": dict(self.local),
+            "in_flight_global": {b: {"total": sum(v.values()), "by_gateway": v}
+                                 for b, v in self.global_in_flight.items()},
+            "other_gateways": self.remote_work,
+            "transitions": self.transitions, "last_error": self.last_error,
+            "acquired_shared": self.acquires, "acquired_local": self.local_acquires,
+            "refused": self.rejects,
+        }
+
+    # -- internals ---------------------------------------------------------------------------
+
+    async def _call(self, fn: Any, *args: Any, epoch: int | None = None, **kw: Any) -> Any:
+        """fn(*args, **kw) against Redis. At most MAX_CALLS at once (waiting for a turn is
+        local contention, not Redis being slow, so it is not timed); the call itself is
+        bounded by redis-py's socket timeouts and, as a whole, by 2 x timeout_s."""
+        async with self._sem:
+            if epoch is not None and epoch != self.epoch:
+                raise _Stale
+            async with asyncio.timeout(2 * self.timeout_s):
+                return await fn(*args, **kw)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _release_remote(self, backend: str, epoch: int) -> None:
+        try:
+            # A resync since then already wrote the count without this slot (_Stale).
+            await self._call(self._release, keys=[INFLIGHT_PREFIX + backend], args=[self.gid],
+                             epoch=epoch)
+        except _Stale:
+            pass
+        except _FAILURES as e:
+            self._lost(e, epoch)
+
+    async def _force_acquire(self, backend: str, epoch: int) -> None:
+        try:
+            await self._call(self.r.hincrby, INFLIGHT_PREFIX + backend, self.gid, 1, epoch=epoch)
+        except _Stale:
+            pass
+        except _FAILURES as e:
+            self._lost(e, epoch)
+
+    async def _connect(self) -> None:
+        await self._call(self.r.ping)
+        await self._resync_now()
+
+    async def _resync_now(self) -> None:
+        """This gateway's fields := its local counts, and a fresh lease. Local admissions and
+        releases go on during the round trip: repeat until the counts written are current."""
+        for _ in range(5):
+            counts = dict(self.local)
+            keys = [LEASE_PREFIX + self.gid] + [INFLIGHT_PREFIX + b for b in counts]
+            args = [self.gid, self.lease_ms, *counts.values()]
+            await self._call(self._resync, keys=keys, args=args)
+            if counts == self.local:
+                return
+
+    def _lost(self, e: BaseException, epoch: int | None = None) -> None:
+        self.last_error = _describe(e)
+        if self.state == REDIS and (epoch is None or epoch == self.epoch):
+            self._to(LOCAL)
+            log.warning("admission: Redis at %s lost (%s); falling back to local accounting "
+                        "(%.0f%% of each replica's cap) until it is back", self.url,
+                        self.last_error, 100 * self.cfg.redis_share)
+
+    def _to(self, state: str, quiet: bool = False) -> None:
+        self.state = state
+        self.epoch = next(self._epoch)
+        if not quiet:
+            self.transitions += 1
+        self._set_gauge()
+
+    def _set_gauge(self) -> None:
+        gauge = getattr(self.metrics, "shared_state", None)
+        if gauge is not None:
+            gauge.labels(REDIS).set(1 if self.state == REDIS else 0)
+            gauge.labels(LOCAL).set(1 if self.state == LOCAL else 0)
+
+    async def _loop(self) -> None:
+        while True:
+            if self.state == REDIS:
+                await asyncio.sleep(self.refresh_s)
+                if self.state != REDIS:
+                    continue
+                epoch = self.epoch
+                try:
+                    await self._refresh(epoch)
+                except _Stale:
+                    pass
+                except _FAILURES as e:
+                    self._lost(e, epoch)
+            else:
+                await asyncio.sleep(self.retry_s)
+                try:
+                    await self._connect()
+                except _FAILURES as e:
+                    self.last_error = _describe(e)
+                    continue
+                if self.state == LOCAL:
+                    self._to(REDIS)
+                    log.warning("admission: Redis at %s reachable again; shared accounting "
+                                "resumed (this gateway's counts resynced: %s)", self.url,
+                                dict(self.local) or "none in flight")
+
+    async def _refresh(self, epoch: int) -> None:
+        """Renew the lease; if it had expired (we were cut off or paused for longer than
+        lease_s, so others may have dropped our fields), resync. Then publish our work and read
+        the others'."""
+        had = await self._call(self.r.set, LEASE_PREFIX + self.gid, "1", px=self.lease_ms,
+                               get=True, epoch=epoch)
+        if had is None:
+            await self._resync_now()
+            log.info("admission: lease of gateway %s had expired; counts resynced", self.gid)
+        others = await self._call(self._work, keys=[WORK_KEY],
+                                  args=[self.gid, orjson.dumps(self._my_work()), LEASE_PREFIX],
+                                  epoch=epoch)
+        work: dict[str, dict[str, Any]] = {}
+        for i in range(0, len(others) - 1, 2):
+            try:
+                work[_s(others[i])] = orjson.loads(others[i + 1])
+            except orjson.JSONDecodeError:
+                continue
+        self.remote_work = work
+        backends = list(self.limits)
+        if backends:
+            async with self.r.pipeline(transaction=False) as p:
+                for b in backends:
+                    p.hgetall(INFLIGHT_PREFIX + b)
+                views = await self._call(p.execute, epoch=epoch)
+            self.global_in_flight = {b: {_s(k): int(v) for k, v in view.items()}
+                                     for b, view in zip(backends, views)}
+
+    def _my_work(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"t": time.time(), "in_flight": dict(self.local)}
+        ctrl = self._ctrl
+        if ctrl is None:
+            return out
+        queue = getattr(ctrl, "queue", ())
+        out["queue"] = {"requests": len(queue),
+                        "estimated_tokens": round(getattr(ctrl, "queued_tokens", 0.0))}
+        out["replicas"] = {
+            name: {"prefill_tokens": round(getattr(load, "prefill_tokens", 0.0)),
+                   "prefilling": getattr(load, "prefilling", 0),
+                   "decoding": getattr(load, "decoding", 0)}
+            for name, load in getattr(ctrl, "loads", {}).items()}
+        return out
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, asyncio.TimeoutError):
+        return "timed out"
+    return f"{type(e).__name__}: {e}"[:200]
