@@ -6,7 +6,7 @@ import logging
 
 import orjson
 
-from gateway.context import RequestContext
+from gateway.context import REJECTED, RequestContext
 from gateway.slo import verdict
 from gateway.telemetry.otlp_metrics import OTLPMetrics
 from gateway.telemetry.prometheus import Metrics
@@ -21,8 +21,16 @@ class Finisher:
         self.tracing = tracing
         self.otlp = otlp
 
+    @staticmethod
+    def _judged(ctx: RequestContext) -> bool:
+        """A request the client got wrong (bad JSON, unknown model, bad key) is no SLO miss
+        of ours; one shed by admission control is."""
+        if ctx.outcome != REJECTED:
+            return True
+        return ctx.admission is not None and ctx.admission[0] == "rejected"
+
     def finish(self, ctx: RequestContext, operation: str, provider: str) -> None:
-        if ctx.slo is not None and ctx.outcome is not None:
+        if ctx.slo is not None and ctx.outcome is not None and self._judged(ctx):
             ctx.verdict = verdict(ctx, ctx.slo)
         self.metrics.observe(ctx)
         if self.tracing.enabled:

@@ -225,7 +225,7 @@ class Relay:
         ctx = self.ctx
         ctx.interruption = reason
         ctx.finish(outcome, reason)
-        await write(self.client, self.api.stream_error_event(message, code or reason))  # type: ignore[arg-type]
+        await write(self.client, self.api.stream_error_event(message, code or reason, ctx))  # type: ignore[arg-type]
         return await self._eof()
 
     async def _eof(self) -> web.StreamResponse:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the test suite drives for real, if they are missing:
 #   prometheus (+ promtool)   metrics scraping, rule unit tests
+#   prometheus-alertmanager   amtool check-config of dashboards/alertmanager.yml
 #   nginx                     the gateway behind a real reverse proxy
 #   redis-server              shared admission state across gateway processes
 #   docker-compose            `docker-compose config` validation of the stack (no engine needed)
@@ -10,6 +11,7 @@ set -euo pipefail
 need=()
 have() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/usr/bin/$1" ]; }
 have prometheus || need+=(prometheus)
+have amtool || need+=(prometheus-alertmanager)   # amtool check-config of the shipped config
 have nginx || need+=(nginx)
 have redis-server || need+=(redis-server)
 have docker-compose || need+=(docker-compose)

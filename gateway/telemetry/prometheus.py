@@ -12,7 +12,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import Iterable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -94,6 +94,7 @@ class Metrics:
     def __init__(self, slo_thresholds_s: Iterable[float] = (), slo_classes: Iterable[str] = (),
                  backend_names: Iterable[str] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, RSS, fds
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
         thresholds = tuple(slo_thresholds_s)
         lat = LATENCY_BUCKETS + thresholds
