@@ -33,6 +33,7 @@ METRICS_KEY = web.AppKey("metrics", Metrics)
 FINISHER_KEY = web.AppKey("finisher", Finisher)
 DRAINING_KEY = web.AppKey("draining", asyncio.Event)
 ADMISSION_KEY = web.AppKey("admission", object)
+SHARED_KEY = web.AppKey("shared_state", object)
 
 
 def build_app(cfg: Config, *, tracing: Tracing | None = None,
@@ -56,13 +57,26 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
         finisher = Finisher(metrics, tracing or Tracing(cfg.telemetry),
                             otlp_metrics or OTLPMetrics(cfg.telemetry))
         app[FINISHER_KEY] = finisher
-        admission = None
+        admission = shared = None
         if cfg.admission.enabled:
-            admission = AdmissionController(cfg.admission, router, metrics)
+            if cfg.admission.redis_url:
+                from gateway.admission.shared import SharedState  # imports redis only if used
+
+                shared = SharedState(cfg.admission, metrics)
+                await shared.start()
+            admission = AdmissionController(cfg.admission, router, metrics, shared=shared)
+            if shared is not None:
+                shared.attach(admission)
+            admission.start()
+        app[SHARED_KEY] = shared
         app[ADMISSION_KEY] = admission
         app[PROXY_KEY] = Proxy(cfg, router, finisher, admission)
 
     async def cleanup(app: web.Application) -> None:
+        if app.get(ADMISSION_KEY) is not None:
+            await app[ADMISSION_KEY].close()
+        if app.get(SHARED_KEY) is not None:
+            await app[SHARED_KEY].close()
         await app[ROUTER_KEY].close()
         finisher = app[FINISHER_KEY]
         # Shutdown flushes over the network and blocks: keep it off the event loop.
@@ -120,6 +134,8 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
 
     for path in backends.APIS:
         app.router.add_post(path, proxied)
+    for path, (method, handler) in backends.LOCAL_ROUTES.items():
+        app.router.add_route(method, path, handler)
     app.router.add_get("/v1/models", models)
     if cfg.telemetry.prometheus:
         app.router.add_get("/metrics", prometheus)

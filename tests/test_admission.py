@@ -34,7 +34,8 @@ async def stream(s: aiohttp.ClientSession, base: str, prompt_chars: int, max_tok
     t0 = asyncio.get_running_loop().time()
     body = {"model": "m", "stream": True, "max_tokens": max_tokens,
             "messages": [{"role": "user", "content": "x" * prompt_chars}]}
-    async with s.post(base + "/v1/chat/completions", json=body, headers=headers or {}) as r:
+    url = base + "/v1/chat/completions"
+    async with s.post(url, json=body, headers=headers or {}) as r:
         out = {"status": r.status, "headers": dict(r.headers)}
         if r.status != 200:
             out["body"] = await r.json()
@@ -171,3 +172,25 @@ async def test_admission_state_endpoint() -> None:
         state = await admission_state(s, base)
     json.dumps(state)
     assert state["enabled"] and state["replicas"]["a"]["ttft_model"]["observations"] == 1
+
+
+async def test_engine_metrics_show_load_from_clients_the_gateway_cannot_see() -> None:
+    """Another client floods the engine directly. Scraping the engine's own /metrics, the
+    gateway sees the queue and stops admitting interactive requests it would now make late."""
+    sim_app = build_sim(SimConfig(max_batch=2, decode_base_ms=20, decode_per_seq_ms=0,
+                                  prefill_tokens_per_s=20_000))
+    async with serve_app(sim_app) as sim_url:
+        cfg = gw([("a", sim_url)], admission={"engine_metrics": True,
+                                              "engine_metrics_interval_s": 0.1})
+        async with serve_app(build_app(cfg)) as base, aiohttp.ClientSession() as s:
+            for _ in range(3):
+                await stream(s, base, 2000, headers={"x-slo-class": "interactive"})
+            others = [asyncio.create_task(stream(s, sim_url, 2000, max_tokens=60))
+                      for _ in range(10)]
+            await asyncio.sleep(0.5)
+            state = (await admission_state(s, base))["replicas"]["a"]
+            assert state["engine"]["waiting"] >= 5, state["engine"]
+            late = await stream(s, base, 2000, headers={"x-slo-class": "interactive"})
+            assert late["status"] == 429, late
+            for t in others:
+                t.cancel()

@@ -128,6 +128,8 @@ class Ticket:
         """A retry went to another replica: the claim moves with it."""
         if replica is self.load.replica or self.state == "done":
             return
+        if self.shared_slot and self.ctrl.shared is not None:
+            self.ctrl.shared.move(self.load.replica.name, replica.name)
         self._release()
         self.load = self.ctrl.load_of(replica)
         self.state = "prefill"
@@ -144,6 +146,11 @@ class Ticket:
             load.tpot_targets[self.tpot_target_s] -= 1
             if load.tpot_targets[self.tpot_target_s] <= 0:
                 del load.tpot_targets[self.tpot_target_s]
+
+    def withdraw(self) -> None:
+        """Undo a reservation that did not get its global slot (nothing to learn)."""
+        self._release()
+        self.state = "done"
 
     def finish(self, ctx: RequestContext) -> None:
         if self.state == "done":
@@ -267,7 +274,7 @@ class AdmissionController:
                 why = "concurrency_cap"
                 continue
             est = load.est
-            pred_ttft = est.predict_ttft(load.work_ahead() + tokens, load.decoding_now())
+            pred_ttft = est.predict_ttft(self._ahead(load) + tokens, load.decoding_now())
             if pred_ttft + self.cfg.safety * est.ttft_error_s > ttft_budget:
                 why = "ttft_wait"
                 continue
@@ -278,14 +285,26 @@ class AdmissionController:
             ok.append((pred_ttft, load))
         while ok:
             load, pred = self._choose(ok, prefix)
+            # Reserve before awaiting the global slot, so requests arriving meanwhile see this
+            # one's load in their predictions.
+            ticket = Ticket(self, load, tokens, body_bytes, tpot_target, pred,
+                            self.shared is not None)
             if self.shared is not None and not await self.shared.try_acquire(load.replica.name,
                                                                              load.cap):
+                ticket.withdraw()
                 ok = [(p, l) for p, l in ok if l is not load]
                 why = "concurrency_cap"
                 continue
-            return Ticket(self, load, tokens, body_bytes, tpot_target, pred,
-                          self.shared is not None), ""
+            return ticket, ""
         return None, why
+
+    def _ahead(self, load: ReplicaLoad) -> float:
+        """Prompt tokens ahead on a replica: this gateway's, other clients' (engine metrics)
+        and other gateways' (shared state)."""
+        ahead = load.work_ahead()
+        if self.shared is not None:
+            ahead += self.shared.remote_prefill_tokens(load.replica.name)
+        return ahead
 
     def _choose(self, ok: list[tuple[float, ReplicaLoad]],
                 prefix: bytes | None) -> tuple[ReplicaLoad, float]:
@@ -308,7 +327,7 @@ class AdmissionController:
             if not load.replica.available():
                 continue
             est = load.est
-            out = min(out, est.predict_ttft(load.work_ahead() + tokens, 0.0)
+            out = min(out, est.predict_ttft(self._ahead(load) + tokens, 0.0)
                       + self.cfg.safety * est.ttft_error_s)
         return out
 
