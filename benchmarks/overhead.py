@@ -726,7 +726,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gateway-config-extra", metavar="FILE",
                     help="TOML appended to the generated gateway config (e.g. a [telemetry] table)")
     ap.add_argument("--telemetry", choices=("on", "off"),
-                    help="passed to the gateway as SLOGATE_TELEMETRY (unset if not given)")
+                    help="on: OTLP spans + metrics exported to a local sink, Prometheus on; "
+                         "off: no export and no Prometheus observation; unset: the defaults "
+                         "(Prometheus on, nothing exported)")
     ap.add_argument("--gateway-cpu", help="CPU list for the gateway (default: the 2nd allowed CPU; "
                                           "'none' = unpinned)")
     ap.add_argument("--sim-cpu", help="CPU list for the simulator (default: the 1st allowed CPU)")
@@ -774,14 +776,18 @@ def main(argv: list[str] | None = None) -> int:
     max_batch = max(1024, 2 * max(streams))
     cfg_path = tmp / "gateway.toml"
     extra = Path(args.gateway_config_extra).read_text() if args.gateway_config_extra else ""
+    sink_port = free_port(host)
+    if args.telemetry == "on":  # spans and OTLP metrics exported (to a sink), Prometheus on
+        extra += (f'\n[telemetry]\notlp_endpoint = "http://{host}:{sink_port}"\n'
+                  'metrics_export_interval_s = 5\n')
+    elif args.telemetry == "off":  # nothing exported, no Prometheus observation either
+        extra += "\n[telemetry]\ntraces = false\notlp_metrics = false\nprometheus = false\n"
     cfg_path.write_text(gateway_config(host, gw_port, sim_port, max(256, 2 * max(streams)), extra))
     subst = {"python": shlex.quote(sys.executable), "host": host, "config": str(cfg_path),
              "token_ms": f"{args.token_ms:g}", "max_batch": str(max_batch)}
     sim_argv = shlex.split(args.sim_cmd.format(**subst, port=sim_port))
     gw_argv = shlex.split(args.gateway_cmd.format(**subst, port=gw_port))
     gw_env = dict(os.environ)
-    if args.telemetry:
-        gw_env["SLOGATE_TELEMETRY"] = args.telemetry
 
     results: dict[str, Any] = {
         "meta": {
@@ -811,6 +817,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"placement: gateway {placement['gateway']}, sim {placement['sim']}, "
               f"load generator {placement['client']}; logs in {tmp}", flush=True)
         sim = procs.start("sim", sim_argv, sim_cpus)
+        if args.telemetry == "on":
+            procs.start("otlp-sink", [sys.executable, "-m", "benchmarks.otlp_sink", "--host", host,
+                                      "--port", str(sink_port)], sim_cpus)
         wait_http(procs, "sim", f"http://{host}:{sim_port}/v1/models")
         gw = procs.start("gateway", gw_argv, gw_cpus, env=gw_env)
         wait_http(procs, "gateway", f"http://{host}:{gw_port}/healthz")

@@ -16,8 +16,10 @@ access_log = logging.getLogger("slogate.access")
 
 
 class Finisher:
-    def __init__(self, metrics: Metrics, tracing: Tracing, otlp: OTLPMetrics) -> None:
+    def __init__(self, metrics: Metrics, tracing: Tracing, otlp: OTLPMetrics,
+                 prometheus: bool = True) -> None:
         self.metrics = metrics
+        self.prometheus = prometheus
         self.tracing = tracing
         self.otlp = otlp
 
@@ -32,7 +34,8 @@ class Finisher:
     def finish(self, ctx: RequestContext, operation: str, provider: str) -> None:
         if ctx.slo is not None and ctx.outcome is not None and self._judged(ctx):
             ctx.verdict = verdict(ctx, ctx.slo)
-        self.metrics.observe(ctx)
+        if self.prometheus:
+            self.metrics.observe(ctx)
         if self.tracing.enabled:
             self.tracing.finish(ctx, operation, provider)
         if self.otlp.enabled:

@@ -55,7 +55,7 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
         router = Router(replicas)
         app[ROUTER_KEY] = router
         finisher = Finisher(metrics, tracing or Tracing(cfg.telemetry),
-                            otlp_metrics or OTLPMetrics(cfg.telemetry))
+                            otlp_metrics or OTLPMetrics(cfg.telemetry), cfg.telemetry.prometheus)
         app[FINISHER_KEY] = finisher
         admission = shared = None
         if cfg.admission.enabled:
