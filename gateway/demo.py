@@ -37,7 +37,7 @@ def _pick_port(preferred: int) -> int:
         return s.getsockname()[1]
 
 
-async def _wait_ready(url: str, exited, timeout: float = 30.0) -> None:
+async def wait_ready(url: str, exited, timeout: float = 30.0) -> None:
     """Poll `url` until it answers 200; `exited()` returns the process's exit status or None."""
     import aiohttp
 
@@ -151,8 +151,8 @@ async def main(duration: float | None, port: int, sim_port: int, concurrency: in
     log = GatewayLog()
     follower = asyncio.create_task(log.follow(gw.stderr))  # type: ignore[arg-type]
     try:
-        await _wait_ready(f"http://127.0.0.1:{sim_port}/health", sim.poll)
-        await _wait_ready(f"http://127.0.0.1:{port}/readyz", lambda: gw.returncode)
+        await wait_ready(f"http://127.0.0.1:{sim_port}/health", sim.poll)
+        await wait_ready(f"http://127.0.0.1:{port}/readyz", lambda: gw.returncode)
         base = f"http://127.0.0.1:{port}/v1"
         load_s = 10.0 if duration is None else max(2.0, min(10.0, duration / 2))
         print(f"slogate demo: simulator on :{sim_port}, gateway on :{port}; "

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterator
 
 from prometheus_server import free_port
+from servers import stop_process
 
 
 @contextlib.contextmanager
@@ -63,9 +64,5 @@ http {{
             time.sleep(0.02)
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, 5)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,19 +1,18 @@
 """Run the real `slogate` commands as subprocesses (as a user would), on free ports."""
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import AsyncIterator
 
-import aiohttp
 
+from gateway import demo
 from prometheus_server import free_port
+from servers import stop_process
 
 
 class Proc:
@@ -27,19 +26,10 @@ class Proc:
 
 
 async def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"exited {proc.returncode}: {log.read_text()[-3000:]}")
-            try:
-                async with s.get(url) as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.05)
-    raise RuntimeError(f"{url} not ready: {log.read_text()[-3000:]}")
+    try:
+        await demo.wait_ready(url, proc.poll, timeout)
+    except RuntimeError as e:
+        raise RuntimeError(f"{e}: {log.read_text()[-3000:]}") from None
 
 
 @contextlib.asynccontextmanager
@@ -57,13 +47,7 @@ async def slogate(*args: str, ready_path: str, env: dict[str, str] | None = None
         await wait_ready(url + ready_path, popen, log)
         yield Proc(popen, url, log)
     finally:
-        if popen.poll() is None:
-            popen.terminate()
-            try:
-                popen.wait(10)
-            except subprocess.TimeoutExpired:
-                popen.kill()
-                popen.wait()
+        stop_process(popen)
         log.unlink(missing_ok=True)
 
 

@@ -1,7 +1,6 @@
 """A real Prometheus server (Debian package `prometheus`) scraping given targets, for tests."""
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import shutil
 import socket
@@ -11,6 +10,9 @@ from pathlib import Path
 from typing import AsyncIterator
 
 import aiohttp
+
+from gateway import demo
+from servers import stop_process
 
 
 def free_port() -> int:
@@ -59,25 +61,12 @@ scrape_configs:
                              f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
-        async with aiohttp.ClientSession() as s:
-            for _ in range(300):
-                if proc.poll() is not None:
-                    raise RuntimeError((tmp / "prometheus.log").read_text()[-2000:])
-                try:
-                    async with s.get(url + "/-/ready") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.1)
-            else:
-                raise RuntimeError("prometheus did not become ready")
+        try:
+            await demo.wait_ready(url + "/-/ready", proc.poll)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}: {(tmp / 'prometheus.log').read_text()[-2000:]}") from None
         yield Prometheus(url)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
         log.close()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import subprocess
 from typing import AsyncIterator
 
 from aiohttp import web
@@ -20,3 +21,14 @@ async def serve_app(app: web.Application, host: str = "127.0.0.1",
         yield f"http://{host}:{port}"
     finally:
         await runner.cleanup()
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 10) -> None:
+    """Terminate a child process, killing it if it does not exit in time."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

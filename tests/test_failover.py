@@ -3,7 +3,6 @@ over real sockets, with the simulator's fault injection and the official SDKs.""
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 import time
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import pytest
 from cerebras.cloud.sdk import AsyncCerebras, Cerebras
 
 from provider_stack import assert_provider_stages, stack

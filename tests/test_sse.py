@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.sse import SSEParser
