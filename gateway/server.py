@@ -189,20 +189,20 @@ async def serve(cfg: Config, host: str, port: int) -> None:
     gc.freeze()
     gc.set_threshold(20_000, 20, 50)
     names = ", ".join(f"{b.name} ({b.base_url})" for b in cfg.backends)
-    log.info("slogate listening on http://%s:%d, backends: %s", host, port, names)
+    log.info("listening on http://%s:%d, backends: %s", host, port, names)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("slogate: draining (up to %.0f s)", cfg.server.drain_timeout_s)
+    log.info("draining (up to %.0f s)", cfg.server.drain_timeout_s)
     app[DRAINING_KEY].set()
     if cfg.server.readiness_grace_s:
         await asyncio.sleep(cfg.server.readiness_grace_s)
     await site.stop()  # no new connections
     await drain(app, cfg.server.drain_timeout_s)
     await runner.cleanup()
-    log.info("slogate: stopped")
+    log.info("stopped")
 
 
 def run(config_path: str, host: str | None = None, port: int | None = None) -> int:
