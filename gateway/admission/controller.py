@@ -65,6 +65,10 @@ class ReplicaLoad:
         others = max(0.0, self.engine_waiting - self.prefilling)
         return self.prefill_tokens + others * self.avg_tokens
 
+    def requests_ahead(self) -> float:
+        """Requests ahead of a new one that have not produced their first token."""
+        return self.prefilling + max(0.0, self.engine_waiting - self.prefilling)
+
     def decoding_now(self) -> float:
         return max(float(self.decoding), self.engine_running)
 
@@ -88,8 +92,8 @@ class Ticket:
     """An admitted request's claim on a replica, from dispatch to its end."""
 
     __slots__ = ("ctrl", "load", "tokens", "body_bytes", "tpot_target_s", "predicted_ttft_s",
-                 "work_at_dispatch", "decoding_at_dispatch", "state", "decoding_sum",
-                 "shared_slot")
+                 "work_at_dispatch", "decoding_at_dispatch", "ahead_at_dispatch", "state",
+                 "decoding_sum", "shared_slot")
 
     def __init__(self, ctrl: "AdmissionController", load: ReplicaLoad, tokens: float,
                  body_bytes: int, tpot_target_s: float, predicted_ttft_s: float,
@@ -103,6 +107,7 @@ class Ticket:
         self.shared_slot = shared_slot
         self.work_at_dispatch = load.work_ahead() + tokens
         self.decoding_at_dispatch = load.decoding_now()
+        self.ahead_at_dispatch = load.requests_ahead()
         self.state = "prefill"
         load.prefill_tokens += tokens
         load.prefilling += 1
@@ -231,7 +236,11 @@ class AdmissionController:
             raise GatewayError(404, f"The model '{ctx.model}' does not exist or is not served "
                                "by this gateway.", "model_not_found", param="model")
         tokens = body_bytes * (sum(l.est.tokens_per_byte for l in loads) / len(loads))
-        ticket, why_not = await self._try(ctx, loads, tokens, body_bytes, prefix)
+        if self._higher_priority_waiting(ctx.slo.cls.priority):
+            # Capacity that frees goes to the more important requests already waiting.
+            ticket, why_not = None, "priority_wait"
+        else:
+            ticket, why_not = await self._try(ctx, loads, tokens, body_bytes, prefix)
         if ticket is not None:
             self._decided(ctx, ADMITTED, "predicted_ok")
             return ticket
@@ -274,8 +283,9 @@ class AdmissionController:
                 why = "concurrency_cap"
                 continue
             est = load.est
-            pred_ttft = est.predict_ttft(self._ahead(load) + tokens, load.decoding_now())
-            if pred_ttft + self.cfg.safety * est.ttft_error_s > ttft_budget:
+            pred_ttft = est.predict_ttft(self._ahead(load) + tokens, load.decoding_now(),
+                                         load.requests_ahead())
+            if pred_ttft + self.cfg.safety * est.ttft.stderr > ttft_budget:
                 why = "ttft_wait"
                 continue
             pred_tpot = est.predict_tpot(load.decoding_now() + 1)
@@ -306,6 +316,9 @@ class AdmissionController:
             ahead += self.shared.remote_prefill_tokens(load.replica.name)
         return ahead
 
+    def _higher_priority_waiting(self, priority: int) -> bool:
+        return any(w.key[0] < -priority and not w.future.done() for w in self.queue)
+
     def _choose(self, ok: list[tuple[float, ReplicaLoad]],
                 prefix: bytes | None) -> tuple[ReplicaLoad, float]:
         best = min(p for p, _ in ok)
@@ -328,7 +341,7 @@ class AdmissionController:
                 continue
             est = load.est
             out = min(out, est.predict_ttft(self._ahead(load) + tokens, 0.0)
-                      + self.cfg.safety * est.ttft_error_s)
+                      + self.cfg.safety * est.ttft.stderr)
         return out
 
     def _check_feasible(self, ctx: RequestContext, loads: list[ReplicaLoad], tokens: float,
@@ -343,7 +356,9 @@ class AdmissionController:
         flight and queued) to drain on the least loaded replica."""
         avail = [l for l in loads if l.replica.available()] or loads
         drain = min(l.est.predict_ttft(l.work_ahead() + self.queued_tokens / len(avail),
-                                       l.decoding_now()) for l in avail)
+                                       l.decoding_now(),
+                                       l.requests_ahead() + len(self.queue) / len(avail))
+                    for l in avail)
         return max(1.0, drain)
 
     def _reject(self, ctx: RequestContext, reason: str, retry_after_s: float) -> None:
@@ -396,14 +411,18 @@ class AdmissionController:
         whose TTFT is out of reach."""
         try:
             ahead = 0.0
+            blocked: int | None = None  # the priority band of the first waiter left waiting
             for waiter in sorted(self.queue):
                 if waiter.future.done():
                     continue
                 ctx = waiter.ctx
                 loads = [self.load_of(r) for r in
                          self.router.replicas_for(ctx.model or "", waiter.family)]
-                ticket, why = await self._try(ctx, loads, waiter.tokens, waiter.body_bytes,
-                                              waiter.prefix)
+                if blocked is not None and waiter.key[0] > blocked:
+                    ticket, why = None, "priority_wait"  # a more important one waits first
+                else:
+                    ticket, why = await self._try(ctx, loads, waiter.tokens, waiter.body_bytes,
+                                                  waiter.prefix)
                 if ticket is not None:
                     self._decided(ctx, ADMITTED, "after_queue")
                     if waiter.future.done():  # cancelled meanwhile
@@ -418,6 +437,8 @@ class AdmissionController:
                         waiter.future.set_exception(e)
                     continue
                 ahead += waiter.tokens
+                if blocked is None:
+                    blocked = waiter.key[0]
         finally:
             self._waking = False
 
@@ -435,7 +456,8 @@ class AdmissionController:
             actual = (ctx.t_first_token - ctx.t_sent) / 1e9
             tokens = ctx.prompt_tokens or ticket.tokens
             work = ticket.work_at_dispatch - ticket.tokens + tokens
-            est.observe_ttft(work, ticket.decoding_at_dispatch, actual - est.provider_queue_s)
+            est.observe_ttft(work, ticket.decoding_at_dispatch, ticket.ahead_at_dispatch,
+                             actual - est.provider_queue_s)
             self.metrics.ttft_error.observe((ticket.replica.name, ctx.model_label),
                                             abs(actual - ticket.predicted_ttft_s))
             tpot = ctx.tpot_s()

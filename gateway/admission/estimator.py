@@ -1,10 +1,12 @@
 """Online estimators per backend replica, learned from the gateway's own observations.
 
 TTFT (upstream: request sent -> first token) is modelled as
-    c0 + c1 * W + c2 * W * D
-with W = prompt tokens ahead of and including this request's (thousands) and D = streams
-decoding on the replica: a continuous-batching engine prefills in chunks interleaved with decode
-steps, so the time per prefilled token grows with the batch. TPOT is a + b * D.
+    c0 + c1 * W + c2 * W * D + c3 * N
+with W = prompt tokens ahead of and including this request's (thousands), D = streams decoding
+on the replica, N = requests ahead of it not yet past their first token: a continuous-batching
+engine prefills in chunks interleaved with decode steps, so the time per prefilled token grows
+with the batch; and once its batch is full, a request waits for a slot, which grows with the
+requests queued ahead of it. TPOT is a + b * D.
 
 Both are recursive least squares with a forgetting factor, so they follow a backend that gets
 faster or slower. Prompt tokens are estimated from request bytes with a per-backend ratio
@@ -59,19 +61,19 @@ class RLS:
 class ReplicaEstimator:
     def __init__(self, lam: float = 0.97) -> None:
         # Priors for an unknown engine: 50 ms base, 1 s per 1k prompt tokens, 20 ms TPOT.
-        self.ttft = RLS([0.05, 0.2, 0.0], lam)
+        self.ttft = RLS([0.05, 0.2, 0.0, 0.0], lam)
         self.tpot = RLS([0.02, 0.001], lam)
         self.tokens_per_byte = 0.25
         self.provider_queue_s = 0.0  # EWMA of provider-reported queue time (hosted APIs)
 
     @staticmethod
-    def _ttft_x(work_tokens: float, decoding: float) -> list[float]:
+    def _ttft_x(work_tokens: float, decoding: float, ahead: float) -> list[float]:
         w = work_tokens / 1000.0
-        return [1.0, w, w * decoding]
+        return [1.0, w, w * decoding, ahead]
 
-    def predict_ttft(self, work_tokens: float, decoding: float) -> float:
+    def predict_ttft(self, work_tokens: float, decoding: float, ahead: float = 0.0) -> float:
         base = self.ttft.theta[0]
-        pred = self.ttft.predict(self._ttft_x(work_tokens, decoding))
+        pred = self.ttft.predict(self._ttft_x(work_tokens, decoding, ahead))
         return max(pred, base, 0.0) + self.provider_queue_s
 
     def predict_tpot(self, decoding: float) -> float:
@@ -82,8 +84,9 @@ class ReplicaEstimator:
         """The estimator's stated error: two standard deviations of recent residuals."""
         return 2.0 * self.ttft.stderr
 
-    def observe_ttft(self, work_tokens: float, decoding: float, seconds: float) -> None:
-        self.ttft.update(self._ttft_x(work_tokens, decoding), seconds)
+    def observe_ttft(self, work_tokens: float, decoding: float, ahead: float,
+                     seconds: float) -> None:
+        self.ttft.update(self._ttft_x(work_tokens, decoding, ahead), seconds)
 
     def observe_tpot(self, decoding: float, seconds: float) -> None:
         self.tpot.update([1.0, decoding], seconds)
@@ -96,11 +99,12 @@ class ReplicaEstimator:
         self.provider_queue_s += 0.2 * (seconds - self.provider_queue_s)
 
     def snapshot(self) -> dict[str, Any]:
-        c0, c1, c2 = self.ttft.theta
+        c0, c1, c2, c3 = self.ttft.theta
         a, b = self.tpot.theta
         return {
             "ttft_model": {"base_s": round(c0, 5), "s_per_1k_prompt_tokens": round(c1, 5),
                            "s_per_1k_tokens_per_decoding_stream": round(c2, 6),
+                           "s_per_request_ahead": round(c3, 5),
                            "observations": self.ttft.n, "stated_error_s": round(self.ttft_error_s, 5)},
             "tpot_model": {"base_s": round(a, 6), "s_per_decoding_stream": round(b, 7),
                            "observations": self.tpot.n, "stderr_s": round(self.tpot.stderr, 6)},
