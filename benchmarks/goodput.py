@@ -943,8 +943,12 @@ def main(argv: list[str] | None = None) -> int:
     gw_argv: dict[str, list[str]] = {}
     for mode in MODES:
         cfg = tmp / f"gateway-{mode}.toml"
+        # The admission gateway knows the engine's batch size, as its operator would
+        # (vLLM's max_num_seqs): requests then wait where priority can order them, not in the
+        # engine's FIFO.
+        extra = f"max_concurrency = {args.max_batch}\n{args.admission_extra}"
         cfg.write_text(gateway_config(host, ports[mode], sim_port, 1024, admission_toml(
-            mode == "admission", args.admission_extra if mode == "admission" else "")))
+            mode == "admission", extra if mode == "admission" else "")))
         gw_argv[mode] = shlex.split(args.gateway_cmd.format(**subst, config=str(cfg),
                                                            port=ports[mode]))
     sim_base = f"http://{host}:{sim_port}"
