@@ -34,13 +34,16 @@ from gateway.telemetry.prometheus import Metrics
 
 ADMITTED, QUEUED, REJECTED = "admitted", "queued", "rejected"
 TIE_BAND = 0.05  # predictions within 5 % of the best are equally good: pick one at random
+PROBE_INTERVAL_S = 1.0
+URGENT = 0.25  # a waiter in the last quarter of its TTFT budget may pass more important ones
 
 
 class ReplicaLoad:
     """What this gateway has put on one replica."""
 
     __slots__ = ("replica", "est", "prefill_tokens", "prefilling", "decoding", "tpot_targets",
-                 "cap", "engine_waiting", "engine_running", "engine_kv_usage", "avg_tokens")
+                 "cap", "engine_waiting", "engine_running", "engine_kv_usage", "avg_tokens",
+                 "last_probe")
 
     def __init__(self, replica: Replica, est: ReplicaEstimator, cap: int) -> None:
         self.replica = replica
@@ -54,6 +57,7 @@ class ReplicaLoad:
         self.engine_running = 0.0
         self.engine_kv_usage: float | None = None
         self.avg_tokens = 500.0  # EWMA of admitted prompt tokens (for engine-reported queues)
+        self.last_probe = 0.0
 
     @property
     def in_flight(self) -> int:
@@ -244,6 +248,10 @@ class AdmissionController:
         if ticket is not None:
             self._decided(ctx, ADMITTED, "predicted_ok")
             return ticket
+        ticket = self._probe(ctx, loads, tokens, body_bytes)
+        if ticket is not None:
+            self._decided(ctx, ADMITTED, "probe")
+            return ticket
         self._check_feasible(ctx, loads, tokens, why_not)
         if len(self.queue) >= self.cfg.max_queue or \
                 self.queued_tokens + tokens > self.cfg.max_queue_tokens:
@@ -315,6 +323,31 @@ class AdmissionController:
         if self.shared is not None:
             ahead += self.shared.remote_prefill_tokens(load.replica.name)
         return ahead
+
+    def _probe(self, ctx: RequestContext, loads: list[ReplicaLoad], tokens: float,
+               body_bytes: int) -> Ticket | None:
+        """An idle replica that the model calls too slow: send one request anyway, at most
+        once per PROBE_INTERVAL_S per replica. Rejected requests teach the estimator nothing,
+        so a stale model would otherwise never learn the engine got faster again."""
+        if self.shared is not None:
+            return None  # the global slot needs an await: not worth it for a probe
+        now = time.monotonic()
+        for load in loads:
+            if (load.in_flight == 0 and load.engine_waiting == 0 and load.replica.available()
+                    and now - load.last_probe >= PROBE_INTERVAL_S and not self.queue):
+                load.last_probe = now
+                est = load.est
+                return Ticket(self, load, tokens, body_bytes, ctx.slo.tpot_ms / 1e3,
+                              est.predict_ttft(tokens, 0.0), False)
+        return None
+
+    @staticmethod
+    def _urgent(waiter: Waiter) -> bool:
+        """Near its deadline: strict priority would starve lower bands under sustained
+        overload, so their last chance comes before the more important ones' next."""
+        slo = waiter.ctx.slo
+        left_s = (waiter.key[1] - now_ns()) / 1e9
+        return left_s < URGENT * slo.ttft_ms / 1e3
 
     def _higher_priority_waiting(self, priority: int) -> bool:
         return any(w.key[0] < -priority and not w.future.done() for w in self.queue)
@@ -418,7 +451,7 @@ class AdmissionController:
                 ctx = waiter.ctx
                 loads = [self.load_of(r) for r in
                          self.router.replicas_for(ctx.model or "", waiter.family)]
-                if blocked is not None and waiter.key[0] > blocked:
+                if blocked is not None and waiter.key[0] > blocked and not self._urgent(waiter):
                     ticket, why = None, "priority_wait"  # a more important one waits first
                 else:
                     ticket, why = await self._try(ctx, loads, waiter.tokens, waiter.body_bytes,

@@ -19,12 +19,17 @@ from typing import Any, Sequence
 
 
 class RLS:
-    """Recursive least squares y ≈ θ·x with exponential forgetting (λ < 1 forgets)."""
+    """Recursive least squares y ≈ θ·x with exponential forgetting (λ < 1 forgets).
+    Coefficients listed in `nonneg` are projected onto >= 0 after each update: a cost per
+    token or per stream cannot be negative, and a fit that says so is compensating for
+    something else (the usual failure when features are correlated)."""
 
     P_MAX = 1000.0
 
-    def __init__(self, theta: Sequence[float], lam: float, p0: float = 100.0) -> None:
+    def __init__(self, theta: Sequence[float], lam: float, p0: float = 100.0,
+                 nonneg: Sequence[int] = ()) -> None:
         n = len(theta)
+        self.nonneg = tuple(nonneg)
         self.theta = list(theta)
         self.lam = lam
         self.P = [[p0 if i == j else 0.0 for j in range(n)] for i in range(n)]
@@ -42,6 +47,9 @@ class RLS:
         k = [v / denom for v in Px]
         err = y - self.predict(x)
         self.theta = [t + ki * err for t, ki in zip(self.theta, k)]
+        for i in self.nonneg:
+            if self.theta[i] < 0:
+                self.theta[i] = 0.0
         self.P = [[(P[i][j] - k[i] * Px[j]) / self.lam for j in range(n)] for i in range(n)]
         # Forgetting inflates P in directions the data does not excite (D stays 0, say);
         # bound it so one odd observation cannot swing θ wildly ("covariance wind-up").
@@ -61,8 +69,8 @@ class RLS:
 class ReplicaEstimator:
     def __init__(self, lam: float = 0.97) -> None:
         # Priors for an unknown engine: 50 ms base, 1 s per 1k prompt tokens, 20 ms TPOT.
-        self.ttft = RLS([0.05, 0.2, 0.0, 0.0], lam)
-        self.tpot = RLS([0.02, 0.001], lam)
+        self.ttft = RLS([0.05, 0.2, 0.0, 0.0], lam, nonneg=(1, 2, 3))
+        self.tpot = RLS([0.02, 0.001], lam, nonneg=(1,))
         self.tokens_per_byte = 0.25
         self.provider_queue_s = 0.0  # EWMA of provider-reported queue time (hosted APIs)
 
