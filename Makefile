@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 DURATION ?=
 STAMP := $(VENV)/.slogate-installed
 
-.PHONY: demo test bench serve sim system-deps clean
+.PHONY: demo test bench bench-goodput serve sim system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,8 +33,13 @@ test: $(STAMP) system-deps dashboards/schema-check/node_modules
 	bash scripts/install-llamacpp.sh $(PY)
 	$(PY) -m pytest
 
+# Streaming overhead, gateway vs direct (BENCH_ARGS=--quick for a smoke run).
 bench: $(STAMP)
-	$(PY) -m benchmarks.overhead
+	$(PY) -m benchmarks.overhead --out bench-results/overhead.json --markdown bench-results/overhead.md $(BENCH_ARGS)
+
+# Goodput with SLO-aware admission vs pass-through under overload (QUICK=1 for a smoke run).
+bench-goodput: $(STAMP)
+	$(PY) -m benchmarks.goodput $(if $(QUICK),--quick)
 
 serve: $(STAMP)
 	$(VENV)/bin/slogate serve --config gateway/examples/sim.toml
