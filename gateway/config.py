@@ -161,6 +161,12 @@ class TelemetryConfig:
     metrics_export_interval_s: float = 15.0
     prometheus: bool = True  # GET /metrics
     capture_content: bool = False  # prompts/completions in spans: only if the operator opts in
+    # Share of traces recorded when the caller did not decide (its traceparent's sampled flag
+    # wins); OTEL_TRACES_SAMPLER, if set, overrides this.
+    trace_sample_ratio: float = 1.0
+    # gen_ai.client.operation.time_per_output_chunk, one OTLP observation per chunk: costly in
+    # the OTel SDK (~10 µs each), and Prometheus has inter_token_latency_seconds anyway.
+    otlp_chunk_metrics: bool = False
 
 
 @dataclass(frozen=True)
@@ -531,7 +537,16 @@ def _telemetry(table: Any) -> TelemetryConfig:
         traces=flag("traces"), otlp_metrics=flag("otlp_metrics"),
         metrics_export_interval_s=interval, prometheus=flag("prometheus"),
         capture_content=flag("capture_content"),
+        trace_sample_ratio=_ratio("telemetry", table, "trace_sample_ratio", d.trace_sample_ratio),
+        otlp_chunk_metrics=flag("otlp_chunk_metrics"),
     )
+
+
+def _ratio(where: str, table: dict[str, Any], key: str, default: float) -> float:
+    value = _typed(where, table, key, float, default, "a number from 0 to 1")
+    if not 0 <= value <= 1:
+        raise ConfigError(f"{where}.{key}", value, "a number from 0 to 1")
+    return value
 
 
 def _positive_ms(where: str, table: dict[str, Any], key: str, required: bool) -> float | None:

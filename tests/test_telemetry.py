@@ -148,7 +148,8 @@ async def test_otlp_metrics_use_genai_names() -> None:
     otlp = receiver_app()
     up = scripted_app([token("a"), 0.005, token("b"), token("c"), GROQ_FINAL, b"data: [DONE]\n\n"])
     async with serve_app(otlp) as otlp_url, serve_app(up) as up_url:
-        app = build_app(gw_config(up_url, telemetry={"otlp_endpoint": otlp_url}))
+        app = build_app(gw_config(up_url, telemetry={"otlp_endpoint": otlp_url,
+                                                     "otlp_chunk_metrics": True}))
         async with serve_app(app) as gw, aiohttp.ClientSession() as s:
             for _ in range(3):
                 async with s.post(gw + "/v1/chat/completions",
@@ -290,3 +291,26 @@ async def test_gateway_ttft_matches_client_ttft_on_loopback() -> None:
     # Generous bounds: the 2-core machines are shared; exact figures go in the notes.
     assert diffs[len(diffs) // 2] < 2.0
     assert p99 < 10.0
+
+
+async def test_trace_sampling_ratio_zero_exports_no_spans_but_keeps_metrics(monkeypatch) -> None:
+    monkeypatch.delenv("OTEL_TRACES_SAMPLER", raising=False)
+    otlp = receiver_app()
+    up = scripted_app([token("a"), token("b"), b"data: [DONE]\n\n"])
+    async with serve_app(otlp) as otlp_url, serve_app(up) as up_url:
+        app = build_app(gw_config(up_url, telemetry={"otlp_endpoint": otlp_url,
+                                                     "trace_sample_ratio": 0.0}))
+        async with serve_app(app) as gw, aiohttp.ClientSession() as s:
+            async with s.post(gw + "/v1/chat/completions",
+                              json={"model": "m", "stream": True, "messages": []}) as r:
+                await r.read()
+            # a caller that sampled its trace still gets one
+            tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+            async with s.post(gw + "/v1/chat/completions", headers={"traceparent": tp},
+                              json={"model": "m", "stream": True, "messages": []}) as r:
+                await r.read()
+            await flush(app)
+    rec = otlp[RECEIVER]
+    assert {s.trace_id for s in rec.by_name("chat m")} == {"4bf92f3577b34da6a3ce929d0e0e4736"}
+    assert "gen_ai.client.operation.duration" in rec.metrics
+    assert "gen_ai.client.operation.time_per_output_chunk" not in rec.metrics  # opt-in

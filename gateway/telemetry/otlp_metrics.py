@@ -34,6 +34,7 @@ def _exporter(cfg: TelemetryConfig, endpoint: str) -> MetricExporter:
 
 class OTLPMetrics:
     def __init__(self, cfg: TelemetryConfig, exporter: MetricExporter | None = None) -> None:
+        self.chunk_metrics = cfg.otlp_chunk_metrics
         endpoint = otlp_endpoint(cfg, "metrics") if cfg.otlp_metrics else None
         if exporter is None and endpoint is None:
             self.provider = None
@@ -86,8 +87,9 @@ class OTLPMetrics:
                                     {**attrs, "gen_ai.token.type": "output"})
         if ctx.stream and ctx.t_first_event:
             self.first_chunk.record((ctx.t_first_event - ctx.t_received) / 1e9, attrs)
-            for gap in ctx.itl_s():
-                self.per_chunk.record(gap, attrs)
+            if self.chunk_metrics:
+                for gap in ctx.itl_s():
+                    self.per_chunk.record(gap, attrs)
         if ctx.outcome == OK:
             if ctx.provider_queue_s is not None and ctx.provider_prefill_s is not None:
                 self.server_ttft.record(ctx.provider_queue_s + ctx.provider_prefill_s, attrs)

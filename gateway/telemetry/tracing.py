@@ -15,6 +15,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -83,7 +84,10 @@ class Tracing:
         if exporter is None and endpoint is None:
             self.provider = None
             return
-        self.provider = TracerProvider(resource=Resource.create(
+        sampler = None
+        if not os.environ.get("OTEL_TRACES_SAMPLER"):
+            sampler = ParentBased(TraceIdRatioBased(cfg.trace_sample_ratio))
+        self.provider = TracerProvider(sampler=sampler, resource=Resource.create(
             {"service.name": cfg.service_name}))
         self.provider.add_span_processor(BatchSpanProcessor(
             exporter or _span_exporter(cfg, endpoint)))  # type: ignore[arg-type]
@@ -141,6 +145,11 @@ class Tracing:
             return
         end = epoch_ns(ctx.t_end or time.monotonic_ns())
         server = spans.server
+        if not server.is_recording():  # not sampled: nothing to build
+            if spans.upstream is not None:
+                spans.upstream.end(end_time=end)
+            server.end(end_time=end)
+            return
         attrs: dict[str, Any] = {
             "gen_ai.operation.name": operation,
             "gen_ai.provider.name": provider,
