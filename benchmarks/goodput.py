@@ -91,7 +91,8 @@ if str(REPO) not in sys.path:  # run as a script: make `benchmarks` importable
 
 from benchmarks import overhead as harness  # noqa: E402  (process management, placement)
 from benchmarks.overhead import (  # noqa: E402
-    Procs, cpu_model, fmt_cpus, free_port, gateway_config, git_rev, parse_cpus, wait_http,
+    Procs, cpu_model, fmt_cpus, free_port, gateway_config, git_rev, parse_cpus, run_json_process,
+    wait_http,
 )
 
 DEFAULT_SIM_CMD = ("{python} -m gateway sim --host {host} --port {port} --max-batch {max_batch} "
@@ -435,30 +436,8 @@ class BenchProcs(Procs):
 
 def run_client(procs: Procs, tmp: Path, tag: str, spec: dict[str, Any],
                cpus: set[int] | None) -> dict[str, Any]:
-    spec_path, out_path = tmp / f"spec-{tag}.json", tmp / f"out-{tag}.json"
-    spec_path.write_text(json.dumps(spec))
-    with contextlib.suppress(FileNotFoundError):
-        out_path.unlink()
-    p = procs.start(f"client-{tag}", [sys.executable, "-m", "benchmarks.goodput",
-                                      "--client-spec", str(spec_path),
-                                      "--client-out", str(out_path)], cpus)
-    try:
-        limit = spec.get("warmup", 0) + spec["window"] + spec.get("tail_cap", 0) + 60
-        deadline = time.monotonic() + limit
-        while p.poll() is None:
-            procs.check_alive()
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"load generator {tag} did not finish in {limit:.0f}s")
-            time.sleep(0.1)
-        if p.returncode != 0 or not out_path.exists():
-            raise RuntimeError(f"load generator {tag} failed ({p.returncode}):\n"
-                               f"{procs.tail('client-' + tag)}")
-        return json.loads(out_path.read_text())
-    finally:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+    limit = spec.get("warmup", 0) + spec["window"] + spec.get("tail_cap", 0) + 60
+    return run_json_process(procs, tmp, tag, "benchmarks.goodput", spec, cpus, limit)
 
 
 # ---------------------------------------------------------------------------------------------

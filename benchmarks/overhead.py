@@ -444,28 +444,28 @@ def fmt_cpus(c: set[int] | None) -> str:
     return "unpinned" if not c else "core " + ",".join(map(str, sorted(c)))
 
 
-def run_client(procs: Procs, tmp: Path, spec: dict[str, Any], cpus: set[int] | None,
-               during=None) -> dict[str, Any]:
-    tag = f"{spec['path']}-{spec['streams']}"
+def run_json_process(procs: Procs, tmp: Path, tag: str, module: str, spec: dict[str, Any],
+                     cpus: set[int] | None, limit_s: float, during=None) -> dict[str, Any]:
+    """Run `python -m module --client-spec SPEC --client-out OUT` (a load generator) to the
+    end, within `limit_s`, while the benchmark's servers stay alive; return OUT's JSON."""
     spec_path, out_path = tmp / f"spec-{tag}.json", tmp / f"out-{tag}.json"
     spec_path.write_text(json.dumps(spec))
     with contextlib.suppress(FileNotFoundError):
         out_path.unlink()
-    p = procs.start(f"client-{tag}", [sys.executable, str(Path(__file__).resolve()),
+    p = procs.start(f"client-{tag}", [sys.executable, "-m", module,
                                       "--client-spec", str(spec_path),
                                       "--client-out", str(out_path)], cpus)
     try:
         if during is not None:
             during()
-        limit = spec["warmup"] + spec["duration"] + spec["grace"] + 30
-        deadline = time.monotonic() + limit
+        deadline = time.monotonic() + limit_s
         while p.poll() is None:
             procs.check_alive()
             if time.monotonic() > deadline:
-                raise RuntimeError(f"load generator for {tag} did not finish in {limit:.0f}s")
+                raise RuntimeError(f"load generator {tag} did not finish in {limit_s:.0f}s")
             time.sleep(0.1)
         if p.returncode != 0 or not out_path.exists():
-            raise RuntimeError(f"load generator for {tag} failed ({p.returncode}):\n"
+            raise RuntimeError(f"load generator {tag} failed ({p.returncode}):\n"
                                f"{procs.tail('client-' + tag)}")
         return json.loads(out_path.read_text())
     finally:
@@ -473,6 +473,13 @@ def run_client(procs: Procs, tmp: Path, spec: dict[str, Any], cpus: set[int] | N
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+
+
+def run_client(procs: Procs, tmp: Path, spec: dict[str, Any], cpus: set[int] | None,
+               during=None) -> dict[str, Any]:
+    return run_json_process(procs, tmp, f"{spec['path']}-{spec['streams']}",
+                            "benchmarks.overhead", spec, cpus,
+                            spec["warmup"] + spec["duration"] + spec["grace"] + 30, during)
 
 
 def _diff(a: float | None, b: float | None) -> float | None:
