@@ -12,6 +12,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import backends
+from backends import anthropic as anthropic_api
 from backends import openai as openai_api
 from gateway import config as config_mod
 from gateway import deadlines
@@ -89,15 +90,27 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
     async def proxied(request: web.Request) -> web.StreamResponse:
         return await request.app[PROXY_KEY].handle(request)
 
+    def client_api(request: web.Request):
+        """The API format of a request outside the proxied routes: Anthropic's SDK always sends
+        anthropic-version; everyone else gets OpenAI's."""
+        return anthropic_api if "anthropic-version" in request.headers else openai_api
+
     async def models(request: web.Request) -> web.Response:
+        api = client_api(request)
         try:
             key = cfg.auth.authenticate(request.headers)
         except GatewayError as e:
             return web.Response(status=e.status, content_type="application/json",
-                                body=openai_api.error_body(e.status, e.message, e.code))
+                                body=api.error_body(e.status, e.message, e.code))
         allowed = (lambda m: True) if key is None or "*" in key.models else key.models.__contains__
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "slogate"}
-                for m in request.app[ROUTER_KEY].models() if allowed(m)]
+        names = [m for m in request.app[ROUTER_KEY].models() if allowed(m)]
+        if api is anthropic_api:  # ModelInfo list, as anthropic's models.list() reads it
+            data = [{"type": "model", "id": m, "display_name": m,
+                     "created_at": "1970-01-01T00:00:00Z"} for m in names]
+            return web.json_response({"data": data, "has_more": False,
+                                      "first_id": names[0] if names else None,
+                                      "last_id": names[-1] if names else None}, dumps=_dumps)
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "slogate"} for m in names]
         return web.json_response({"object": "list", "data": data}, dumps=_dumps)
 
     async def prometheus(request: web.Request) -> web.Response:
@@ -128,7 +141,7 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
 
     async def not_found(request: web.Request) -> web.Response:
         return web.Response(status=404, content_type="application/json",
-                            body=openai_api.error_body(
+                            body=client_api(request).error_body(
                                 404, f"Unknown route {request.method} {request.path}.",
                                 "unknown_route"))
 

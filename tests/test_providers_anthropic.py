@@ -136,3 +136,24 @@ async def test_anthropic_version_is_added_when_the_client_sends_none() -> None:
             assert r.status == 200
         sent = [r["headers"]["anthropic-version"] for r in await s.sim_requests()]
     assert sent == ["2023-06-01", "2099-01-01"]
+
+
+async def test_models_list_and_unknown_routes_in_anthropics_format() -> None:
+    import anthropic
+
+    from gateway import config as gw_config
+    from gateway.server import build_app
+    from servers import serve_app
+
+    cfg = gw_config.parse({"auth": {"mode": "open"}, "backends": [
+        {"name": "a", "type": "anthropic", "base_url": "http://127.0.0.1:9/v1",
+         "models": ["claude-x"]}]}, env={})
+    async with serve_app(build_app(cfg)) as gw:
+        client = anthropic.AsyncAnthropic(base_url=gw, api_key="k", max_retries=0)
+        models = [m.id async for m in client.models.list()]
+        assert models == ["claude-x"]
+        with pytest.raises(anthropic.NotFoundError) as e:
+            await client.messages.count_tokens(model="claude-x",
+                                               messages=[{"role": "user", "content": "hi"}])
+        assert e.value.body["type"] == "error"
+        await client.close()
