@@ -93,8 +93,8 @@ class Proxy:
             self.active.add(watchdog)
             if self.admission is None:
                 ctx.admission = ("admitted", "admission_off")
-                self.metrics.admission.labels(ctx.model_label, route, ctx.slo.name,
-                                              *ctx.admission).inc()
+                self.metrics.child(self.metrics.admission, (ctx.model_label, route, ctx.slo.name,
+                                                            *ctx.admission)).inc()
             else:
                 ticket = await self.admission.admit(
                     ctx, api.FAMILY, len(body),
@@ -109,7 +109,7 @@ class Proxy:
             return self._error(ctx, api, e)
         except (asyncio.CancelledError, ClientGone):
             reason = watchdog.claim() if watchdog is not None else None
-            if reason is not None:  # a deadline or the drain, while reading the request body
+            if reason is not None:  # a deadline or the drain while queued for admission
                 e = before_commit_failure(reason)
                 ctx.finish(TIMEOUT, e.code)
                 ctx.status = e.status
@@ -252,7 +252,7 @@ class Proxy:
         except AttemptFailed as e:
             state["failed"] = e.result
             state["last_failure"] = e
-            self.metrics.attempts.labels(replica.name, e.result).inc()
+            self.metrics.child(self.metrics.attempts, (replica.name, e.result)).inc()
             if e.result not in ("http_429",):  # rate limits are not ill health
                 replica.breaker.failure()
             up = state.pop("up", None)
@@ -260,7 +260,7 @@ class Proxy:
             if up is not None:
                 up.close()
             raise
-        self.metrics.attempts.labels(replica.name, "ok").inc()
+        self.metrics.child(self.metrics.attempts, (replica.name, "ok")).inc()
         replica.breaker.success()
         return result
 

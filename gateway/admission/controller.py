@@ -405,8 +405,8 @@ class AdmissionController:
 
     def _decided(self, ctx: RequestContext, decision: str, reason: str) -> None:
         ctx.admission = (decision, reason)
-        self.metrics.admission.labels(ctx.model_label, ctx.route, ctx.slo.name, decision,
-                                      reason).inc()
+        self.metrics.child(self.metrics.admission, (ctx.model_label, ctx.route, ctx.slo.name,
+                                                    decision, reason)).inc()
 
     # -- the queue ---------------------------------------------------------------------------
 

@@ -185,7 +185,7 @@ class Metrics:
         for name in backend_names:
             self.breaker.labels(name).set(0)
 
-    def _child(self, metric, labels: tuple[str, ...]):
+    def child(self, metric, labels: tuple[str, ...]):
         """metric.labels(*labels), cached: prometheus_client's lookup costs a lock and a
         label check per call, and every request makes a dozen."""
         key = (id(metric), labels)
@@ -196,7 +196,7 @@ class Metrics:
 
     def observe(self, ctx: RequestContext) -> None:
         """Everything about one finished request."""
-        child = self._child
+        child = self.child
         base = (ctx.backend or "none", ctx.model_label, ctx.route)
         slo_name = ctx.slo.name if ctx.slo is not None else "none"
         with_slo = base + (slo_name,)
