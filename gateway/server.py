@@ -20,7 +20,8 @@ from gateway.config import Config
 from gateway.admission.controller import AdmissionController
 from gateway.errors import GatewayError
 from gateway.finish import Finisher
-from gateway.proxy import Proxy
+from gateway.context import new_request_id
+from gateway.proxy import REQUEST_ID_HEADER, Proxy
 from gateway.routing import Replica, Router
 from gateway.telemetry.otlp_metrics import OTLPMetrics
 from gateway.telemetry.prometheus import Metrics
@@ -147,15 +148,25 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
 
     for path in backends.APIS:
         app.router.add_post(path, proxied)
+    def with_id(handler):
+        """The gateway's own answers carry a request id too (proxied ones get theirs from
+        the request's context)."""
+        async def wrapped(request: web.Request) -> web.StreamResponse:
+            resp = await handler(request)
+            if not resp.prepared:
+                resp.headers.setdefault(REQUEST_ID_HEADER, new_request_id())
+            return resp
+        return wrapped
+
     for path, (method, handler) in backends.LOCAL_ROUTES.items():
-        app.router.add_route(method, path, handler)
-    app.router.add_get("/v1/models", models)
+        app.router.add_route(method, path, with_id(handler))
+    app.router.add_get("/v1/models", with_id(models))
     if cfg.telemetry.prometheus:
-        app.router.add_get("/metrics", prometheus)
-    app.router.add_get("/admin/admission", admission_state)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_route("*", "/v1/{tail:.*}", not_found)
+        app.router.add_get("/metrics", with_id(prometheus))
+    app.router.add_get("/admin/admission", with_id(admission_state))
+    app.router.add_get("/healthz", with_id(healthz))
+    app.router.add_get("/readyz", with_id(readyz))
+    app.router.add_route("*", "/v1/{tail:.*}", with_id(not_found))
     return app
 
 

@@ -260,6 +260,10 @@ async def test_unknown_model_is_404_and_backend_down_is_502() -> None:
         async with s.get(gw + "/v1/nothing-here") as r:
             assert r.status == 404
             assert "error" in await r.json()
+            assert r.headers["x-slogate-request-id"]
+        for path in ("/v1/models", "/healthz", "/readyz", "/metrics"):
+            async with s.get(gw + path) as r:
+                assert r.headers["x-slogate-request-id"], path
 
 
 async def test_alias_rewrites_model_upstream_only() -> None:
