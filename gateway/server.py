@@ -9,7 +9,7 @@ import sys
 
 import orjson
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder
 
 import backends
 from backends import anthropic as anthropic_api
@@ -115,8 +115,10 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
         return web.json_response({"object": "list", "data": data}, dumps=_dumps)
 
     async def prometheus(request: web.Request) -> web.Response:
-        body = generate_latest(request.app[METRICS_KEY].registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        # OpenMetrics when the scraper asks for it: that format carries exemplars (trace ids).
+        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        body = encoder(request.app[METRICS_KEY].registry)
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def admission_state(request: web.Request) -> web.Response:
         try:

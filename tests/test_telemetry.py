@@ -63,6 +63,9 @@ async def test_spans_of_a_streamed_request_join_the_callers_trace() -> None:
             async with aiohttp.ClientSession() as s:
                 async with s.get(sim_url + "/sim/requests") as r:
                     seen = (await r.json())[-1]["headers"]
+                async with s.get(gw + "/metrics",
+                                 headers={"Accept": "application/openmetrics-text"}) as r:
+                    openmetrics = await r.text()
     rec = otlp[RECEIVER]
     (server,) = rec.by_name("chat m")
     (upstream,) = rec.by_name("upstream")
@@ -93,6 +96,10 @@ async def test_spans_of_a_streamed_request_join_the_callers_trace() -> None:
     assert a["slogate.backend"] == "sim" and a["server.address"] == "127.0.0.1"
     assert abs(a["slogate.ttft_ms"] - (ev["first_token"] - server.start) / 1e6) < 0.01
     assert a["slogate.tpot_ms"] > 0
+    # The TTFT bucket that holds this request points at its trace (OpenMetrics exemplar).
+    assert any(line.startswith("slogate_time_to_first_token_seconds_bucket")
+               and f'# {{trace_id="{caller_trace}"}}' in line
+               for line in openmetrics.splitlines()), openmetrics[:2000]
     everything = repr([(s.attrs, s.events) for s in rec.spans])
     assert secret_prompt not in everything and "sk-client-key" not in everything
 

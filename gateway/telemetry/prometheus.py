@@ -9,11 +9,13 @@ the exposition is the standard classic histogram.
 """
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from typing import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
 from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.samples import Exemplar
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -47,13 +49,19 @@ class Histogram(Collector):
     def _get(self, labels: tuple[str, ...]) -> list:
         s = self._series.get(labels)
         if s is None:
-            s = self._series[labels] = [[0] * (len(self.bounds) + 1), 0.0]
+            # [bucket counts, sum, {bucket index: Exemplar}]
+            s = self._series[labels] = [[0] * (len(self.bounds) + 1), 0.0, {}]
         return s
 
-    def observe(self, labels: tuple[str, ...], value: float) -> None:
+    def observe(self, labels: tuple[str, ...], value: float, trace_id: str | None = None) -> None:
+        """One observation; with `trace_id`, it becomes the bucket's exemplar (OpenMetrics), so
+        a dashboard can jump from a latency to a trace that had it."""
         s = self._get(labels)
-        s[0][bisect_left(self.bounds, value)] += 1
+        i = bisect_left(self.bounds, value)
+        s[0][i] += 1
         s[1] += value
+        if trace_id is not None:
+            s[2][i] = Exemplar({"trace_id": trace_id}, value, time.time())
 
     def observe_many(self, labels: tuple[str, ...], values: Iterable[float]) -> None:
         s = self._get(labels)
@@ -76,11 +84,12 @@ class Histogram(Collector):
 
     def collect(self):
         fam = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
-        for labels, (counts, total) in list(self._series.items()):
+        for labels, (counts, total, exemplars) in list(self._series.items()):
             cum, buckets = 0, []
-            for le, c in zip(self._le, counts):
+            for i, (le, c) in enumerate(zip(self._le, counts)):
                 cum += c
-                buckets.append((le, cum))
+                ex = exemplars.get(i)
+                buckets.append((le, cum, ex) if ex is not None else (le, cum))
             fam.add_metric(list(labels), buckets, total)
         yield fam
 
@@ -203,11 +212,12 @@ class Metrics:
         child(self.requests, base + (ctx.outcome or "unknown",)).inc()
         if ctx.verdict:
             child(self.slo_requests, with_slo + (ctx.verdict,)).inc()
+        trace_id = ctx.trace.trace_id if ctx.trace is not None and ctx.trace.sampled else None
         if ctx.t_end:
-            self.duration.observe(with_slo, (ctx.t_end - ctx.t_received) / 1e9)
+            self.duration.observe(with_slo, (ctx.t_end - ctx.t_received) / 1e9, trace_id)
         ttft = ctx.ttft_s()
         if ttft is not None:
-            self.ttft.observe(with_slo, ttft)
+            self.ttft.observe(with_slo, ttft, trace_id)
         tpot = ctx.tpot_s()
         if tpot is not None:
             self.tpot.observe(with_slo, tpot)

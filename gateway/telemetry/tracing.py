@@ -68,13 +68,15 @@ def _span_exporter(cfg: TelemetryConfig, endpoint: str) -> SpanExporter:
 class RequestSpans:
     """The live spans of one request."""
 
-    __slots__ = ("server", "server_ctx", "upstream", "trace_id")
+    __slots__ = ("server", "server_ctx", "upstream", "trace_id", "sampled")
 
     def __init__(self, server: trace.Span, server_ctx: Context) -> None:
         self.server = server
         self.server_ctx = server_ctx
         self.upstream: trace.Span | None = None
-        self.trace_id = format(server.get_span_context().trace_id, "032x")
+        span_ctx = server.get_span_context()
+        self.trace_id = format(span_ctx.trace_id, "032x")
+        self.sampled = span_ctx.trace_flags.sampled
 
 
 class Tracing:
