@@ -95,9 +95,13 @@ class SLOPolicy:
 
 
 def verdict(ctx: RequestContext, target: SLOTarget) -> str:
-    """A request with a single output token has no TPOT and passes that half (§9.4)."""
+    """A request with a single output token has no TPOT and passes that half (§9.4). A
+    non-streamed answer has no first token of its own: with an e2e target it is judged on
+    that alone; without one, its whole answer must arrive within the TTFT target."""
     if ctx.outcome != OK:
         return FAILED
+    if not ctx.stream and target.e2e_ms is not None and ctx.t_end:
+        return MET if (ctx.t_end - ctx.t_received) / 1e6 <= target.e2e_ms else E2E_MISSED
     ttft = ctx.ttft_s()
     ttft_ok = ttft is not None and ttft * 1e3 <= target.ttft_ms
     tpot = ctx.tpot_s()

@@ -95,3 +95,33 @@ def test_example_config_is_valid() -> None:
     cfg = config.load(str(Path(gateway.__file__).parent / "examples" / "sim.toml"), env={})
     assert cfg.backends[0].name == "sim"
 
+
+
+def test_verdicts() -> None:
+    from gateway.context import OK, RequestContext
+    from gateway.slo import SLOClass, SLOTarget, verdict
+
+    def ctx(stream: bool, ttft_ms: float, tpot_ms: float, n: int, e2e_ms: float) -> RequestContext:
+        c = RequestContext("/v1/chat/completions")
+        c.stream, c.outcome = stream, OK
+        t0 = c.t_received
+        c.t_first_token = t0 + int(ttft_ms * 1e6)
+        c.t_last_token = c.t_first_token + int(tpot_ms * (n - 1) * 1e6)
+        c.completion_tokens = n
+        c.t_end = t0 + int(e2e_ms * 1e6)
+        return c
+
+    cls = SLOClass("i", ttft_ms=500, tpot_ms=50, e2e_ms=None)
+    t = SLOTarget(cls, 500, 50, None)
+    assert verdict(ctx(True, 400, 40, 10, 900), t) == "met"
+    assert verdict(ctx(True, 600, 40, 10, 900), t) == "ttft_missed"
+    assert verdict(ctx(True, 400, 60, 10, 900), t) == "tpot_missed"
+    assert verdict(ctx(True, 600, 60, 10, 900), t) == "both_missed"
+    assert verdict(ctx(True, 400, 999, 1, 900), t) == "met"  # one token: no TPOT
+    with_e2e = SLOTarget(cls, 500, 50, 2000)
+    assert verdict(ctx(True, 400, 40, 10, 2500), with_e2e) == "e2e_missed"
+    assert verdict(ctx(False, 1500, 0, 1, 1500), with_e2e) == "met"  # judged on e2e only
+    assert verdict(ctx(False, 1500, 0, 1, 1500), t) == "ttft_missed"
+    failed = ctx(True, 400, 40, 10, 900)
+    failed.outcome = "upstream_error"
+    assert verdict(failed, t) == "failed"
