@@ -90,7 +90,7 @@ class RetryPolicy:
     backoff_max_s: float = 2.0
     retry_after_cap_s: float = 5.0  # an upstream Retry-After above this is not waited for
     budget_s: float = 0.0  # no new attempt starts this long after the request arrived
-    #                        (0 = twice the first-token deadline)
+    #                        (0 = twice the first-token deadline of the request's backend)
     statuses: tuple[int, ...] = (429, 500, 502, 503, 504, 529)
 
 
@@ -218,7 +218,7 @@ def parse(raw: dict[str, Any], env: Mapping[str, str] | None = None) -> Config:
         if name in names[:i]:
             raise ConfigError(f"backends[{i}].name", name, "a name not used by another backend")
     auth = _auth(raw.get("auth"))
-    retry = _retry(raw.get("retry", {}), default_timeouts)
+    retry = _retry(raw.get("retry", {}))
     breaker = _breaker(raw.get("breaker", {}))
     fallbacks = _fallbacks(raw.get("fallbacks", {}))
     admission = _admission(raw.get("admission", {}))
@@ -251,15 +251,17 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
         if table:
             raw[section] = table
     if isinstance(raw.get("backends"), list):
-        backends = []
-        for b in raw["backends"]:
-            if isinstance(b, dict) and isinstance(b.get("name"), str):
-                prefix = f"SLOGATE_BACKEND_{_env_name(b['name'])}_"
-                b = dict(b)
-                for key, value in env.items():
-                    if key.startswith(prefix):
-                        b[key[len(prefix):].lower()] = _toml_value(value)
-            backends.append(b)
+        backends = [dict(b) if isinstance(b, dict) else b for b in raw["backends"]]
+        prefixes = sorted(((f"SLOGATE_BACKEND_{_env_name(b['name'])}_", b) for b in backends
+                           if isinstance(b, dict) and isinstance(b.get("name"), str)),
+                          key=lambda pb: -len(pb[0]))
+        for key, value in env.items():
+            # The longest matching name wins: SLOGATE_BACKEND_VLLM_A_BASE_URL is backend
+            # "vllm-a"'s base_url, not backend "vllm"'s "a_base_url".
+            for prefix, b in prefixes:
+                if key.startswith(prefix):
+                    b[key[len(prefix):].lower()] = _toml_value(value)
+                    break
         raw["backends"] = backends
     return raw
 
@@ -327,7 +329,7 @@ def _timeouts(where: str, table: Any, base: Timeouts) -> Timeouts:
                        for k in Timeouts.__dataclass_fields__})
 
 
-def _retry(table: Any, timeouts: Timeouts) -> RetryPolicy:
+def _retry(table: Any) -> RetryPolicy:
     if not isinstance(table, dict):
         raise ConfigError("retry", table, "a table")
     _check_keys("retry", table, set(RetryPolicy.__dataclass_fields__))
@@ -340,7 +342,7 @@ def _retry(table: Any, timeouts: Timeouts) -> RetryPolicy:
             isinstance(c, int) and 400 <= c <= 599 for c in statuses):
         raise ConfigError("retry.statuses", statuses, "a list of HTTP status codes 400-599")
     seconds = lambda key: _seconds("retry", table, key, getattr(d, key))
-    budget = seconds("budget_s") or 2 * timeouts.first_token_s
+    budget = seconds("budget_s")  # 0: twice the request's backend's first-token deadline
     return RetryPolicy(max_attempts=attempts, backoff_base_s=seconds("backoff_base_s"),
                        backoff_max_s=seconds("backoff_max_s"),
                        retry_after_cap_s=seconds("retry_after_cap_s"), budget_s=budget,

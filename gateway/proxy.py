@@ -86,6 +86,7 @@ class Proxy:
             first = self.router.replicas_for(ctx.model, api.FAMILY)
             timeouts = (first[0].cfg.timeouts if first else self.cfg.backends[0].timeouts)
             timeouts = timeouts.tightened(request.headers)
+            state["timeouts"] = timeouts
             if self.tracing.enabled:
                 self.tracing.start(ctx, request.headers, operation)
             watchdog = Watchdog(ctx, ctx.t_received + int(timeouts.total_s * 1e9),
@@ -152,8 +153,11 @@ class Proxy:
             return exc.retry_after_s
         return self._backoff(rs)
 
-    def _stop(self, ctx: RequestContext):
-        budget_at = ctx.t_received + int(self.retry.budget_s * 1e9)
+    def _stop(self, ctx: RequestContext, first_token_s: float):
+        # Default budget: twice the first-token deadline of the request's own backend, so that
+        # one stalled attempt still leaves room for another.
+        budget_s = self.retry.budget_s or 2 * first_token_s
+        budget_at = ctx.t_received + int(budget_s * 1e9)
         by_count = stop_after_attempt(self.retry.max_attempts)
 
         def stop(rs: RetryCallState) -> bool:
@@ -172,7 +176,7 @@ class Proxy:
                 return self._final_failure(ctx, api, e)
             first_failure: AttemptFailed | None = e
         retrying = AsyncRetrying(
-            stop=self._stop(ctx), wait=self._wait, reraise=True,
+            stop=self._stop(ctx, state["timeouts"].first_token_s), wait=self._wait, reraise=True,
             retry=retry_if_exception(lambda e: isinstance(e, AttemptFailed) and e.retryable))
         try:
             async for attempt in retrying:
@@ -189,15 +193,16 @@ class Proxy:
 
     def _pick(self, ctx: RequestContext, family: str, tried: list[Replica],
               state: dict[str, Any]) -> tuple[Replica, str]:
-        """The replica admission chose, else an untried replica of the model, else any healthy
-        one of it (a retry after Retry-After may go back), else the model's fallbacks."""
+        """The replica admission chose; else an untried replica of the model, then of its
+        fallback models in order; else one already tried (a retry after Retry-After may go
+        back)."""
         ticket = state.get("ticket")
         if ticket is not None and ticket.replica not in tried and ticket.replica.available():
             return ticket.replica, ticket.replica.cfg.aliases.get(ctx.model, ctx.model)
         chain = (ctx.model,) + tuple(self.cfg.fallbacks.get(ctx.model or "", ()))
         last: GatewayError | None = None
-        for model in chain:
-            for exclude in (tried, ()):
+        for exclude in (tried, ()):
+            for model in chain:
                 try:
                     return self.router.pick(model, family, exclude)
                 except GatewayError as e:
@@ -219,7 +224,7 @@ class Proxy:
         tried.append(replica)
         if state.get("ticket") is not None:
             state["ticket"].move(replica)
-        timeouts = replica.cfg.timeouts.tightened(headers_in)
+        timeouts = state["attempt_timeouts"] = replica.cfg.timeouts.tightened(headers_in)
         ctx.backend = replica.name
         state["provider"] = replica.cfg.provider
         ctx.server_address, ctx.server_port = replica.address, replica.port
@@ -267,8 +272,13 @@ class Proxy:
     async def _exchange(self, request, ctx, api, replica, url, data, headers, watchdog,
                         state) -> web.StreamResponse:
         current_request.set(ctx)
+        connect_s = state["attempt_timeouts"].connect_s
+        post_kw: dict[str, Any] = {}
+        if connect_s < replica.cfg.timeouts.connect_s:  # a request that asked for less
+            post_kw["timeout"] = aiohttp.ClientTimeout(total=None, connect=None,
+                                                       sock_connect=connect_s)
         try:
-            up = await replica.session.post(url, data=data, headers=headers)
+            up = await replica.session.post(url, data=data, headers=headers, **post_kw)
         except asyncio.CancelledError:
             reason = watchdog.claim()
             if reason is None:

@@ -125,3 +125,13 @@ def test_verdicts() -> None:
     failed = ctx(True, 400, 40, 10, 900)
     failed.outcome = "upstream_error"
     assert verdict(failed, t) == "failed"
+
+
+def test_backend_env_overrides_pick_the_longest_matching_name() -> None:
+    raw = {"auth": {"mode": "open"}, "backends": [
+        {"name": "vllm", "base_url": "http://a:1/v1"},
+        {"name": "vllm-a", "base_url": "http://b:1/v1"}]}
+    cfg = config.parse(raw, {"SLOGATE_BACKEND_VLLM_A_BASE_URL": "http://c:1/v1",
+                             "SLOGATE_BACKEND_VLLM_POOL_SIZE": "7"})
+    assert cfg.backends[0].base_url == "http://a:1/v1" and cfg.backends[0].pool_size == 7
+    assert cfg.backends[1].base_url == "http://c:1/v1" and cfg.backends[1].pool_size == 256

@@ -355,3 +355,34 @@ models = ["m"]
             ended += 1
     assert done == 10 and ended == 10  # short ones finished; long ones were ended cleanly
     assert elapsed < 4.0
+
+
+async def test_fallback_model_is_tried_before_going_back_to_a_failed_replica() -> None:
+    bad = flaky_upstream([(503, {})] * 10)
+    async with serve_app(bad) as bad_url, serve_app(build_sim(SimConfig(**FAST))) as good:
+        cfg = config.parse({"auth": {"mode": "open"}, "server": {"access_log": False},
+                            "fallbacks": {"big": ["small"]},
+                            "backends": [{"name": "b", "base_url": bad_url + "/v1",
+                                          "models": ["big"]},
+                                         {"name": "s", "base_url": good + "/v1",
+                                          "models": ["small"]}]}, env={})
+        async with serve_app(build_app(cfg)) as base:
+            client = AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
+            r = await client.chat.completions.create(model="big", messages=MSG, max_tokens=3)
+            await client.close()
+    assert r.choices[0].message.content
+    assert len(bad[REQUESTS]) == 1  # one failure, then the fallback model
+
+
+async def test_a_backend_with_a_longer_first_token_deadline_still_fails_over() -> None:
+    async with serve_app(build_sim(SimConfig(**FAST, stall_ms=10_000))) as a, \
+            serve_app(build_sim(SimConfig(**FAST))) as b:
+        cfg = config.parse({"auth": {"mode": "open"}, "server": {"access_log": False},
+                            "timeouts": {"first_token_s": 0.3},
+                            "backends": [{"name": "a", "base_url": a + "/v1", "models": ["m"],
+                                          "timeouts": {"first_token_s": 0.6}},
+                                         {"name": "b", "base_url": b + "/v1", "models": ["m"],
+                                          "timeouts": {"first_token_s": 0.6}}]}, env={})
+        async with serve_app(build_app(cfg)) as base:
+            text, ttft = await sdk_stream(base, max_tokens=3)
+    assert text and 0.6 <= ttft < 1.5
