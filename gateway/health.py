@@ -13,7 +13,6 @@ from gateway.config import BreakerPolicy
 log = logging.getLogger("slogate.health")
 
 CLOSED, HALF_OPEN, OPEN = 0, 1, 2
-STATE_NAMES = {CLOSED: "closed", HALF_OPEN: "half_open", OPEN: "open"}
 
 
 class Breaker:

@@ -14,7 +14,6 @@ TPOT_MISSED = "tpot_missed"
 BOTH_MISSED = "both_missed"
 E2E_MISSED = "e2e_missed"
 FAILED = "failed"
-VERDICTS = (MET, TTFT_MISSED, TPOT_MISSED, BOTH_MISSED, E2E_MISSED, FAILED)
 
 CLASS_HEADER = "x-slo-class"
 TTFT_HEADER = "x-slo-ttft-ms"

@@ -55,11 +55,6 @@ class SSEParser:
         the previous line terminator."""
         return self._skip_lf
 
-    @property
-    def in_event(self) -> bool:
-        """True when bytes of an event not yet dispatched have been seen."""
-        return bool(self._parts or self._fields)
-
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         events: list[SSEEvent] = []
         pos = 0

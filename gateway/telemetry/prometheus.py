@@ -34,7 +34,7 @@ OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01
 
 
 class Histogram(Collector):
-    """A labelled classic histogram with a bulk `observe_many`."""
+    """A labelled classic histogram, with a one-pass bulk observation of inter-token gaps."""
 
     def __init__(self, name: str, doc: str, labelnames: Sequence[str],
                  buckets: Iterable[float]) -> None:
@@ -62,14 +62,6 @@ class Histogram(Collector):
         s[1] += value
         if trace_id is not None:
             s[2][i] = Exemplar({"trace_id": trace_id}, value, time.time())
-
-    def observe_many(self, labels: tuple[str, ...], values: Iterable[float]) -> None:
-        s = self._get(labels)
-        counts, bounds, total = s[0], self.bounds, 0.0
-        for v in values:
-            counts[bisect_left(bounds, v)] += 1
-            total += v
-        s[1] += total
 
     def observe_gaps_ns(self, labels: tuple[str, ...], stamps: list[int]) -> None:
         """One observation per gap between successive monotonic-ns stamps (integer math: no
