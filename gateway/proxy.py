@@ -110,7 +110,7 @@ class Proxy:
             return self._error(ctx, api, e)
         except (asyncio.CancelledError, ClientGone):
             reason = watchdog.claim() if watchdog is not None else None
-            if reason is not None:  # a deadline or the drain while queued for admission
+            if reason is not None and not ctx.t_committed:  # e.g. while queued for admission
                 e = before_commit_failure(reason)
                 ctx.finish(TIMEOUT, e.code)
                 ctx.status = e.status
@@ -271,6 +271,20 @@ class Proxy:
 
     async def _exchange(self, request, ctx, api, replica, url, data, headers, watchdog,
                         state) -> web.StreamResponse:
+        """One upstream exchange. A deadline (or the drain) that fires before anything was
+        committed — while connecting, waiting for headers, reading an error or a whole body —
+        makes it a failed attempt; the relay handles the ones that fire after commit."""
+        try:
+            return await self._exchange_once(request, ctx, api, replica, url, data, headers,
+                                             watchdog, state)
+        except asyncio.CancelledError:
+            reason = watchdog.claim()
+            if reason is None or ctx.t_committed:
+                raise  # the client went away (or it is too late for an HTTP error)
+            raise before_commit_failure(reason) from None
+
+    async def _exchange_once(self, request, ctx, api, replica, url, data, headers, watchdog,
+                             state) -> web.StreamResponse:
         current_request.set(ctx)
         connect_s = state["attempt_timeouts"].connect_s
         post_kw: dict[str, Any] = {}
@@ -279,11 +293,6 @@ class Proxy:
                                                        sock_connect=connect_s)
         try:
             up = await replica.session.post(url, data=data, headers=headers, **post_kw)
-        except asyncio.CancelledError:
-            reason = watchdog.claim()
-            if reason is None:
-                raise
-            raise before_commit_failure(reason) from None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise AttemptFailed("connect_error", 502, f"Backend '{replica.name}' is unreachable: "
                                 f"{type(e).__name__}.", "upstream_unreachable") from None
@@ -294,14 +303,8 @@ class Proxy:
         if up.status in self.retry.statuses:
             raise await self._retryable_status(up, extra)
         ctype = up.headers.get("Content-Type", "")
-        try:
-            if up.status != 200 or not ctx.stream or not ctype.startswith("text/event-stream"):
-                return await self._whole(ctx, up, api, extra)
-        except asyncio.CancelledError:
-            reason = watchdog.claim()
-            if reason is None:
-                raise
-            raise before_commit_failure(reason) from None
+        if up.status != 200 or not ctx.stream or not ctype.startswith("text/event-stream"):
+            return await self._whole(ctx, up, api, extra)
         headers_out = client_response_headers(up.headers, event_stream=True, extra=extra)
         relay = Relay(request, ctx, up, api.StreamObserver(ctx), api, headers_out,
                       hold_until_first_token=self.hold_until_first_token, watchdog=watchdog,
