@@ -9,8 +9,8 @@ from __future__ import annotations
 import statistics
 import time
 
-from backends.openai import StreamObserver
-from gateway.context import RequestContext
+from gateway.apis import chat
+from gateway.exchange import Exchange
 from gateway.sse import SSEParser
 
 TOKEN = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,'
@@ -27,13 +27,13 @@ def run(n: int = 100_000) -> dict[str, float]:
         return (time.perf_counter() - t) / n * 1e6
 
     def parse_and_observe() -> float:
-        ctx = RequestContext("/v1/chat/completions")
-        obs = StreamObserver(ctx)
+        ex = Exchange(chat.CHAT)
+        observe, stamp = chat.API.observe, ex.event_seen
         p = SSEParser()
         t = time.perf_counter()
         for i in range(n):
             for ev in p.feed(TOKEN):
-                obs.on_event(ev, i)
+                stamp(observe(ev, chat.CHAT), i)
         return (time.perf_counter() - t) / n * 1e6
 
     return {name: statistics.median(fn() for _ in range(7))

@@ -5,23 +5,20 @@ spans, errors or metrics."""
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import Mapping
 
+from gateway.config import AuthConfig, GatewayKey
 from gateway.errors import GatewayError
 
-
-@dataclass(frozen=True)
-class GatewayKey:
-    tenant: str
-    sha256: str
-    models: tuple[str, ...] = ("*",)
+__all__ = ["AuthPolicy", "GatewayKey", "client_key", "hash_key"]
 
 
-@dataclass(frozen=True)
 class AuthPolicy:
-    mode: str  # "keys" or "open" (open must be chosen explicitly)
-    keys: Mapping[str, GatewayKey]  # sha256 hex -> key
+    """Who may use the gateway, built from [auth] at start-up."""
+
+    def __init__(self, cfg: AuthConfig) -> None:
+        self.mode = cfg.mode
+        self.keys = cfg.keys
 
     def authenticate(self, headers: Mapping[str, str]) -> GatewayKey | None:
         """The caller's key, or None in open mode; GatewayError 401 when missing or wrong."""
@@ -37,8 +34,11 @@ class AuthPolicy:
         return key
 
     @staticmethod
-    def authorize(key: GatewayKey | None, model: str) -> None:
-        if key is not None and "*" not in key.models and model not in key.models:
+    def allows(key: GatewayKey | None, model: str) -> bool:
+        return key is None or "*" in key.models or model in key.models
+
+    def authorize(self, key: GatewayKey | None, model: str) -> None:
+        if not self.allows(key, model):
             raise GatewayError(403, f"This key may not use the model '{model}'.",
                                "model_not_allowed", param="model", outcome="rejected")
 

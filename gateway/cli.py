@@ -1,8 +1,12 @@
-"""The `slogate` command: `serve` runs the gateway, `sim` runs the built-in engine simulator."""
+"""The `slogate` command: `serve` runs the gateway, `demo` runs it in front of the simulator
+with a short load, `hash-key` hashes a gateway key. Packages add subcommands through the
+`slogate.commands` entry point group (the simulator's `sim` comes from backends/sim that way).
+"""
 from __future__ import annotations
 
 import argparse
 import sys
+from importlib.metadata import entry_points
 
 
 def _install_uvloop() -> None:
@@ -31,23 +35,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sim-port", type=int, default=8000, help="simulator port")
     demo.add_argument("--concurrency", type=int, default=8, help="concurrent client streams")
 
-    from backends.sim import cli as sim_cli
-
-    sim = sub.add_parser("sim", help="run the built-in engine simulator (OpenAI-compatible)")
-    sim.add_argument("--host", default="127.0.0.1")
-    sim.add_argument("--port", type=int, default=8000)
-    sim_cli.add_arguments(sim)
+    for command in entry_points(group="slogate.commands"):
+        command.load()(sub)  # each adds its subparser with a `run(args) -> int` default
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _install_uvloop()
-    if args.command == "sim":
-        from backends.sim import cli as sim_cli
-
-        sim_cli.run(sim_cli.config_from_args(args), args.host, args.port)
-        return 0
+    run = getattr(args, "run", None)
+    if run is not None:  # a subcommand from the entry point group
+        return int(run(args))
     if args.command == "hash-key":
         from gateway.auth import hash_key
 

@@ -18,20 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
-import backends
-from gateway.auth import AuthPolicy, GatewayKey
-from gateway.slo import DEFAULT_CLASS, SLOClass, SLOPolicy
+from gateway.apis import PROVIDERS
+from gateway.errors import ConfigError
 
-BACKEND_TYPES = tuple(backends.BACKEND_TYPES)
+__all__ = ["ConfigError", "Config", "load", "parse"]
+
+BACKEND_TYPES = tuple(PROVIDERS)
 OTLP_PROTOCOLS = ("http/protobuf", "grpc")
-
-
-class ConfigError(Exception):
-    """A config problem: names the key, the bad value and what was expected."""
-
-    def __init__(self, key: str, value: Any, expected: str) -> None:
-        self.key, self.value, self.expected = key, value, expected
-        super().__init__(f"config error: {key} = {value!r}: expected {expected}")
 
 
 @dataclass(frozen=True)
@@ -55,31 +48,11 @@ class ServerConfig:
 @dataclass(frozen=True)
 class Timeouts:
     """The four deadlines. A request may tighten them with x-slogate-timeout-<name>-ms
-    headers, never extend them."""
+    headers, never extend them (deadlines.DeadlineOverrides)."""
     connect_s: float = 5.0  # TCP connect to the upstream
     first_token_s: float = 60.0  # upstream request sent -> first token (per attempt)
     idle_s: float = 60.0  # max gap between upstream events after the first token
     total_s: float = 600.0  # request received -> end
-
-    def tightened(self, headers: Any) -> "Timeouts":
-        values = {}
-        for name in ("connect", "first_token", "idle", "total"):
-            raw = headers.get(f"x-slogate-timeout-{name.replace('_', '-')}-ms")
-            current = getattr(self, name + "_s")
-            if raw is None:
-                values[name + "_s"] = current
-                continue
-            try:
-                ms = float(raw)
-            except ValueError:
-                ms = float("nan")
-            if not 1 <= ms:  # also rejects NaN
-                from gateway.errors import GatewayError
-
-                raise GatewayError(400, f"x-slogate-timeout-{name.replace('_', '-')}-ms must be "
-                                   "a number of milliseconds >= 1.", "invalid_timeout_header")
-            values[name + "_s"] = min(current, ms / 1e3)
-        return Timeouts(**values)
 
 
 @dataclass(frozen=True)
@@ -150,6 +123,51 @@ class BackendConfig:
 
 
 @dataclass(frozen=True)
+class GatewayKey:
+    """One [[auth.keys]] entry: a tenant's key, known only by its sha256."""
+    tenant: str
+    sha256: str
+    models: tuple[str, ...] = ("*",)
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    mode: str  # "keys" or "open" (open must be chosen explicitly)
+    keys: Mapping[str, GatewayKey] = field(default_factory=dict)  # sha256 hex -> key
+
+
+@dataclass(frozen=True)
+class SLOClass:
+    name: str
+    ttft_ms: float
+    tpot_ms: float
+    e2e_ms: float | None = None
+    priority: int = 0  # higher is more important (admission uses it)
+
+
+DEFAULT_CLASS = SLOClass(name="default", ttft_ms=1000.0, tpot_ms=100.0)
+
+
+@dataclass(frozen=True)
+class SLOConfig:
+    classes: Mapping[str, SLOClass] = field(
+        default_factory=lambda: {DEFAULT_CLASS.name: DEFAULT_CLASS})
+    default: str = DEFAULT_CLASS.name
+    route_classes: Mapping[str, str] = field(default_factory=dict)
+    # Bounds for per-request header overrides, in ms.
+    min_ms: float = 1.0
+    max_ms: float = 600_000.0
+    allow_header_overrides: bool = True
+
+    def thresholds_s(self) -> list[float]:
+        """Every configured threshold, in seconds (they must be histogram bucket bounds)."""
+        out: set[float] = set()
+        for c in self.classes.values():
+            out.update(v / 1e3 for v in (c.ttft_ms, c.tpot_ms, c.e2e_ms) if v)
+        return sorted(out)
+
+
+@dataclass(frozen=True)
 class TelemetryConfig:
     # OTLP endpoint for traces and metrics; empty = the standard OTEL_EXPORTER_OTLP_* variables
     # decide, and with none of them set nothing is exported.
@@ -173,15 +191,14 @@ class TelemetryConfig:
 class Config:
     server: ServerConfig
     backends: tuple[BackendConfig, ...]
-    auth: AuthPolicy
+    auth: AuthConfig
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
     # model -> models to try, in order, when every replica of it failed before commit
     fallbacks: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
-    slo: SLOPolicy = field(default_factory=lambda: SLOPolicy(
-        classes={DEFAULT_CLASS.name: DEFAULT_CLASS}, default=DEFAULT_CLASS.name, route_classes={}))
+    slo: SLOConfig = field(default_factory=SLOConfig)
 
 
 # -- loading -----------------------------------------------------------------------------------
@@ -477,7 +494,7 @@ def _health_path(where: str, table: dict[str, Any]) -> str:
     return path
 
 
-def _auth(table: Any) -> AuthPolicy:
+def _auth(table: Any) -> AuthConfig:
     expected = ('[auth] with mode = "keys" and [[auth.keys]] (tenant, sha256), or mode = "open" '
                 "to serve without gateway keys")
     if not isinstance(table, dict):
@@ -509,7 +526,7 @@ def _auth(table: Any) -> AuthPolicy:
             raise ConfigError(f"{where}.models", models, 'a list of model names or ["*"]')
         keys[digest.lower()] = GatewayKey(tenant=tenant, sha256=digest.lower(),
                                           models=tuple(models))
-    return AuthPolicy(mode=mode, keys=keys)
+    return AuthConfig(mode=mode, keys=keys)
 
 
 def _telemetry(table: Any) -> TelemetryConfig:
@@ -562,7 +579,7 @@ def _positive_ms(where: str, table: dict[str, Any], key: str, required: bool) ->
     return value
 
 
-def _slo(table: Any, classes_raw: Any) -> SLOPolicy:
+def _slo(table: Any, classes_raw: Any) -> SLOConfig:
     if not isinstance(table, dict):
         raise ConfigError("slo", table, "a table")
     _check_keys("slo", table, {"default", "route_classes", "allow_header_overrides",
@@ -596,7 +613,7 @@ def _slo(table: Any, classes_raw: Any) -> SLOPolicy:
                           f"a table of route = class name, classes: {sorted(classes)}")
     min_ms = _positive_ms("slo", table, "min_ms", False) or 1.0
     max_ms = _positive_ms("slo", table, "max_ms", False) or 600_000.0
-    return SLOPolicy(classes=classes, default=default, route_classes=dict(routes),
+    return SLOConfig(classes=classes, default=default, route_classes=dict(routes),
                      min_ms=min_ms, max_ms=max_ms,
                      allow_header_overrides=_typed("slo", table, "allow_header_overrides", bool,
                                                    True, "true or false"))

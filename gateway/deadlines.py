@@ -9,19 +9,24 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.context import RequestContext, now_ns
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
 
-FIRST_TOKEN = "first_token_timeout"
-IDLE = "idle_timeout"
-TOTAL = "total_timeout"
-SHUTDOWN = "shutdown"
+from gateway.errors import FIRST_TOKEN, IDLE, SHUTDOWN, TOTAL, GatewayError
+from gateway.exchange import now_ns
+
+if TYPE_CHECKING:
+    from gateway.config import Timeouts
+    from gateway.exchange import Exchange
+
+__all__ = ["FIRST_TOKEN", "IDLE", "SHUTDOWN", "TOTAL", "DeadlineOverrides", "Watchdog"]
 
 
 class Watchdog:
     __slots__ = ("ctx", "task", "loop", "first_token_at", "idle_ns", "total_at", "handle",
                  "fired")
 
-    def __init__(self, ctx: RequestContext, total_at: int, idle_s: float) -> None:
+    def __init__(self, ctx: Exchange, total_at: int, idle_s: float) -> None:
         self.ctx = ctx
         self.task = asyncio.current_task()
         self.loop = asyncio.get_running_loop()
@@ -89,3 +94,51 @@ class Watchdog:
         if self.handle is not None:
             self.handle.cancel()
             self.handle = None
+
+
+_OVERRIDE_NAMES = ("connect", "first_token", "idle", "total")
+
+
+@dataclass(frozen=True, slots=True)
+class DeadlineOverrides:
+    """What a request asked for with `x-slogate-timeout-<name>-ms` headers, parsed once (in
+    classify): each may tighten a backend's deadline, never extend it."""
+    connect_s: float | None = None
+    first_token_s: float | None = None
+    idle_s: float | None = None
+    total_s: float | None = None
+
+    @classmethod
+    def from_headers(cls, headers: Mapping[str, str]) -> "DeadlineOverrides":
+        values: dict[str, float] = {}
+        for name in _OVERRIDE_NAMES:
+            header = f"x-slogate-timeout-{name.replace('_', '-')}-ms"
+            raw = headers.get(header)
+            if raw is None:
+                continue
+            try:
+                ms = float(raw)
+            except ValueError:
+                ms = float("nan")
+            if not 1 <= ms:  # also rejects NaN
+                raise GatewayError(400, f"{header} must be a number of milliseconds >= 1.",
+                                   "invalid_timeout_header")
+            values[name + "_s"] = ms / 1e3
+        return cls(**values) if values else NO_OVERRIDES
+
+    def apply(self, timeouts: "Timeouts") -> "Timeouts":
+        """`timeouts`, tightened where this request asked for less."""
+        if self is NO_OVERRIDES:
+            return timeouts
+        from dataclasses import replace
+
+        return replace(timeouts, **{
+            name + "_s": min(getattr(timeouts, name + "_s"), mine)
+            for name in _OVERRIDE_NAMES if (mine := getattr(self, name + "_s")) is not None})
+
+    @property
+    def any(self) -> bool:
+        return self is not NO_OVERRIDES
+
+
+NO_OVERRIDES = DeadlineOverrides()

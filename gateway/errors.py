@@ -1,12 +1,46 @@
-"""Errors the gateway itself answers (not passed through from upstream)."""
+"""Every exception type and outcome code of the gateway, in one place.
+
+Three kinds of failure, and where each ends up:
+- `GatewayError`: the gateway itself refuses or fails the request before anything was sent to
+  the client; answered as an HTTP error in the client's API format.
+- `AttemptFailed`: one upstream attempt failed before commit; the request goes back to
+  "choose replica" (or, when attempts run out, its last failure is answered).
+- `ClientGone`: the client went away; nothing more can be said to it.
+`ConfigError` is the start-up failure: a config key with a bad value.
+
+The outcome codes, deadline reasons and attempt results below are closed vocabularies: they
+become metric labels and access-log fields.
+"""
 from __future__ import annotations
+
+from typing import Any
+
+# -- outcomes of a request (slogate_requests_total{outcome}, the access log's `outcome`) --------
+OK = "ok"
+CLIENT_CANCELLED = "client_cancelled"
+UPSTREAM_ERROR = "upstream_error"
+UPSTREAM_TRUNCATED = "upstream_truncated"
+GATEWAY_ERROR = "gateway_error"
+TIMEOUT = "timeout"  # a deadline ended it
+REJECTED = "rejected"  # refused by the gateway before any upstream work (bad request, no backend)
+
+# -- why the watchdog ended a request (error_type, stream_interruptions_total{reason}) ---------
+FIRST_TOKEN = "first_token_timeout"
+IDLE = "idle_timeout"
+TOTAL = "total_timeout"
+SHUTDOWN = "shutdown"
+
+# -- results of one upstream attempt (upstream_attempts_total{result}); http_<status> too -------
+ATTEMPT_OK = "ok"
+CONNECT_ERROR = "connect_error"
+CLOSED_BEFORE_FIRST_TOKEN = "closed_before_first_token"
 
 
 class GatewayError(Exception):
     """Answered to the client as an HTTP error in the client's API format."""
 
     def __init__(self, status: int, message: str, code: str, *, param: str | None = None,
-                 outcome: str = "rejected", headers: dict[str, str] | None = None) -> None:
+                 outcome: str = REJECTED, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -14,3 +48,58 @@ class GatewayError(Exception):
         self.param = param
         self.outcome = outcome
         self.headers = headers or {}
+
+
+class AttemptFailed(Exception):
+    """An upstream attempt failed before anything was committed to the client: the request
+    may go to another replica. `result` is its label in upstream_attempts_total; `response`
+    is an upstream error answer to pass through if this failure is the last."""
+
+    def __init__(self, result: str, status: int, message: str, code: str, *,
+                 retryable: bool = True, retry_after_s: float | None = None,
+                 response: tuple[int, Any, bytes] | None = None,
+                 judges_backend: bool = True) -> None:
+        super().__init__(message)
+        self.result = result
+        self.status = status
+        self.message = message
+        self.code = code
+        self.retryable = retryable
+        self.retry_after_s = retry_after_s
+        self.response = response
+        # False when the failure says nothing about the replica's health (a rate limit).
+        self.judges_backend = judges_backend
+
+    def as_gateway_error(self) -> GatewayError:
+        """The gateway's own answer for this failure, when no upstream answer passes through."""
+        if self.code == SHUTDOWN:
+            outcome = GATEWAY_ERROR
+        elif self.code in (FIRST_TOKEN, TOTAL):
+            outcome = TIMEOUT
+        else:
+            outcome = UPSTREAM_ERROR
+        return GatewayError(self.status, self.message, self.code, outcome=outcome)
+
+
+class ClientGone(Exception):
+    """The client went away while we wrote to it."""
+
+
+class ConfigError(Exception):
+    """A config problem: names the key, the bad value and what was expected."""
+
+    def __init__(self, key: str, value: Any, expected: str) -> None:
+        self.key, self.value, self.expected = key, value, expected
+        super().__init__(f"config error: {key} = {value!r}: expected {expected}")
+
+
+def deadline_failure(reason: str) -> AttemptFailed:
+    """A deadline (or the drain) that fired before anything was committed to the client."""
+    if reason == FIRST_TOKEN:
+        return AttemptFailed(reason, 504, "The upstream sent no token before the first-token "
+                             "deadline.", reason)
+    if reason == TOTAL:
+        return AttemptFailed(reason, 504, "The request ran past its total deadline.", reason,
+                             retryable=False)
+    return AttemptFailed(reason, 503, "The gateway is shutting down.", reason, retryable=False,
+                         judges_backend=False)

@@ -6,7 +6,8 @@ import logging
 
 import orjson
 
-from gateway.context import REJECTED, RequestContext
+from gateway.errors import REJECTED
+from gateway.exchange import Exchange
 from gateway.slo import verdict
 from gateway.telemetry.otlp_metrics import OTLPMetrics
 from gateway.telemetry.prometheus import Metrics
@@ -24,14 +25,14 @@ class Finisher:
         self.otlp = otlp
 
     @staticmethod
-    def _judged(ctx: RequestContext) -> bool:
+    def _judged(ctx: Exchange) -> bool:
         """A request the client got wrong (bad JSON, unknown model, bad key) is no SLO miss
         of ours; one shed by admission control is."""
         if ctx.outcome != REJECTED:
             return True
         return ctx.admission is not None and ctx.admission[0] == "rejected"
 
-    def finish(self, ctx: RequestContext, operation: str, provider: str) -> None:
+    def finish(self, ctx: Exchange, operation: str, provider: str) -> None:
         if ctx.slo is not None and ctx.outcome is not None and self._judged(ctx):
             ctx.verdict = verdict(ctx, ctx.slo)
         if self.prometheus:

@@ -60,6 +60,11 @@ class Breaker:
             return 1.0
         return max(0.0, self.policy.cooldown_s - (time.monotonic() - self.opened_at))
 
+    def release(self) -> None:
+        """The request ended without saying anything about the replica's health (a rate
+        limit, the drain): a half-open probe it held goes to the next request."""
+        self.probing = False
+
     def success(self) -> None:
         self.failures = 0
         self.probing = False

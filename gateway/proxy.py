@@ -1,15 +1,19 @@
-"""The proxy handler: runs a request through the phases
-ingress → routing → upstream → relay → finish, with one RequestContext.
+"""The proxy: each request's life as named phases, in request order, with one `Exchange`
+threaded through all of them (Cloudflare Pingora's `ProxyHttp` phases are the model):
+
+    authenticate → classify → read → admit → choose_replica → send_upstream → relay → finish
 
 A failure before commit (connect error, retryable status, first-token deadline, upstream closed
-before the first token) is not a second code path: the attempt is recorded on the timeline and
-routing picks the next replica (or fallback model), with tenacity's jittered backoff or the
+before the first token) is not a second code path: the failed `Attempt` is recorded on the
+exchange and the request goes back to `choose_replica`, with tenacity's jittered backoff or the
 upstream's Retry-After, within the attempt limit and the retry budget.
 """
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import time
+from email.utils import parsedate_to_datetime
+from typing import TYPE_CHECKING, Any, Callable
 
 import aiohttp
 import orjson
@@ -17,21 +21,24 @@ from aiohttp import web
 from tenacity import (AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt,
                       wait_random_exponential)
 
-import backends
-from gateway import deadlines, ingress
-from gateway.admission.controller import AdmissionController, prefix_key
-from gateway.auth import AuthPolicy
-from gateway.config import Config
-from gateway.context import (CLIENT_CANCELLED, GATEWAY_ERROR, OK, TIMEOUT, UPSTREAM_ERROR,
-                             RequestContext, now_ns)
-from gateway.deadlines import Watchdog
-from gateway.errors import GatewayError
-from gateway.finish import Finisher
+from gateway import ingress
+from gateway.apis import ROUTES
+from gateway.deadlines import DeadlineOverrides, Watchdog
+from gateway.errors import (ATTEMPT_OK, CLIENT_CANCELLED, CONNECT_ERROR, GATEWAY_ERROR, OK,
+                            TIMEOUT, UPSTREAM_ERROR, AttemptFailed, ClientGone, GatewayError,
+                            deadline_failure)
+from gateway.exchange import Attempt, Exchange, now_ns
 from gateway.headers import client_response_headers, upstream_request_headers
-from gateway.relay import AttemptFailed, ClientGone, Relay, before_commit_failure
-from gateway.routing import Replica, Router, current_request
-from gateway.telemetry.prometheus import Metrics
-from gateway.telemetry.tracing import Tracing
+from gateway.relay import Relay
+
+if TYPE_CHECKING:
+    from gateway.admission.controller import AdmissionController
+    from gateway.apis.base import Api
+    from gateway.auth import AuthPolicy
+    from gateway.config import Config
+    from gateway.finish import Finisher
+    from gateway.routing import Replica, Router
+    from gateway.slo import SLOPolicy
 
 REQUEST_ID_HEADER = "x-slogate-request-id"
 # Upstream error bodies are passed through; bounded so a misbehaving upstream cannot make us
@@ -40,20 +47,18 @@ MAX_ERROR_BODY = 1024 * 1024
 
 
 class Proxy:
-    def __init__(self, cfg: Config, router: Router, finisher: Finisher,
-                 admission: AdmissionController | None = None) -> None:
+    def __init__(self, cfg: Config, router: Router, finisher: Finisher, auth: AuthPolicy,
+                 slo: SLOPolicy, admission: AdmissionController | None = None) -> None:
         self.cfg = cfg
         self.router = router
         self.admission = admission
-        self.auth: AuthPolicy = cfg.auth
-        self.slo = cfg.slo
+        self.auth = auth
+        self.slo = slo
         self.retry = cfg.retry
         self.finisher = finisher
-        self.metrics: Metrics = finisher.metrics
-        self.tracing: Tracing = finisher.tracing
-        self.max_body_bytes = cfg.server.max_body_bytes
+        self.metrics = finisher.metrics
+        self.tracing = finisher.tracing
         self.hold_until_first_token = cfg.server.commit == "first_token"
-        self.keepalive_s = cfg.server.keepalive_s
         self.active: set[Watchdog] = set()  # requests in flight (for the drain)
         self._backoff = wait_random_exponential(multiplier=cfg.retry.backoff_base_s,
                                                 max=cfg.retry.backoff_max_s)
@@ -63,300 +68,376 @@ class Proxy:
         for watchdog in list(self.active):
             watchdog.fire(reason)
 
+    # -- the conductor ---------------------------------------------------------------------------
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        route = request.path
-        api = backends.api_for(route)
-        operation = api.OPERATIONS[route]
-        ctx = RequestContext(route)
-        state: dict[str, Any] = {"provider": "unknown", "up": None}
+        """Run one request through its phases; answer every failure in the client's API
+        format; always finish."""
+        api, _, operation = ROUTES[request.path]
+        ex = Exchange(request.path)
+        ex.api, ex.operation = api, operation
         self.metrics.in_flight.inc()
         watchdog: Watchdog | None = None
         try:
-            key = self.auth.authenticate(request.headers)
-            if key is not None:
-                ctx.tenant = key.tenant
-            ctx.slo = self.slo.target_for(route, request.headers)
-            body = await ingress.read_body(request, self.max_body_bytes)
-            ctx.t_body = now_ns()
-            parsed = ingress.parse_json(body)
-            ctx.model = ingress.model_of(parsed)
-            self.auth.authorize(key, ctx.model)
-            ctx.model_label = self.router.model_label(ctx.model)
-            ctx.stream = ingress.stream_of(parsed)
-            first = self.router.replicas_for(ctx.model, api.FAMILY)
-            timeouts = (first[0].cfg.timeouts if first else self.cfg.backends[0].timeouts)
-            timeouts = timeouts.tightened(request.headers)
-            state["timeouts"] = timeouts
-            if self.tracing.enabled:
-                self.tracing.start(ctx, request.headers, operation)
-            watchdog = Watchdog(ctx, ctx.t_received + int(timeouts.total_s * 1e9),
-                                timeouts.idle_s)
-            self.active.add(watchdog)
-            if self.admission is None:
-                ctx.admission = ("admitted", "admission_off")
-                self.metrics.child(self.metrics.admission, (ctx.model_label, route, ctx.slo.name,
-                                                            *ctx.admission)).inc()
-            else:
-                ticket = await self.admission.admit(
-                    ctx, api.FAMILY, len(body),
-                    prefix_key(parsed, self.cfg.admission.prefix_bytes))
-                state["ticket"] = ticket
-                ctx.on_first_token = ticket.first_token
-            return await self._with_retries(request, ctx, api, parsed, body, watchdog,
-                                            request.headers, state)
+            self.authenticate(ex, request)
+            overrides = self.classify(ex, request)
+            await self.read(ex, request)
+            watchdog = self.start_deadlines(ex, request, overrides)
+            await self.admit(ex)
+            return await self.forward(ex, request, watchdog, overrides)
         except GatewayError as e:
-            ctx.finish(e.outcome, e.code)
-            ctx.status = e.status
-            return self._error(ctx, api, e)
+            ex.finish(e.outcome, e.code)
+            ex.status = e.status
+            return self.error_response(ex, e)
         except (asyncio.CancelledError, ClientGone):
             reason = watchdog.claim() if watchdog is not None else None
-            if reason is not None and not ctx.t_committed:  # e.g. while queued for admission
-                e = before_commit_failure(reason)
-                ctx.finish(TIMEOUT, e.code)
-                ctx.status = e.status
-                return self._error(ctx, api, GatewayError(e.status, e.message, e.code))
-            ctx.cancel_phase = ctx.phase()
-            ctx.finish(CLIENT_CANCELLED)
-            up = state["up"]
-            if up is not None:
-                up.close()  # close, not release: the engine must see the disconnect now
-                state["up"] = None
+            if reason is not None and not ex.t_committed:  # e.g. while queued for admission
+                failure = deadline_failure(reason)
+                ex.finish(TIMEOUT, failure.code)
+                ex.status = failure.status
+                return self.error_response(ex, failure.as_gateway_error())
+            ex.cancel_phase = ex.phase()
+            ex.finish(CLIENT_CANCELLED)
+            if ex.attempt is not None:
+                ex.attempt.close()  # the engine must see the disconnect now
             raise
         except Exception as e:  # a bug of ours: answer cleanly, keep serving
-            ctx.finish(GATEWAY_ERROR, type(e).__name__)
-            request.app.logger.exception("internal error on %s", route)
-            if ctx.t_committed:
+            ex.finish(GATEWAY_ERROR, type(e).__name__)
+            request.app.logger.exception("internal error on %s", request.path)
+            if ex.t_committed:
                 raise  # the response has begun; aiohttp closes the connection
-            return self._error(ctx, api, GatewayError(500, "Internal gateway error.",
-                                                      "gateway_error", outcome=GATEWAY_ERROR))
+            return self.error_response(ex, GatewayError(
+                500, "Internal gateway error.", "gateway_error", outcome=GATEWAY_ERROR))
         finally:
             if watchdog is not None:
                 watchdog.stop()
                 self.active.discard(watchdog)
-            ticket = state.get("ticket")
-            if ticket is not None:
-                ticket.finish(ctx)
-            up = state["up"]
-            if up is not None:
-                if ctx.outcome == OK:
-                    up.release()
-                else:
-                    up.close()
-            self.metrics.in_flight.dec()
-            self.finisher.finish(ctx, operation, state["provider"])
+            self.finish(ex)
 
-    # -- attempts ----------------------------------------------------------------------------
+    # -- the phases, in request order ------------------------------------------------------------
+
+    def authenticate(self, ex: Exchange, request: web.Request) -> None:
+        """Key → tenant. May refuse (401). Hands on `ex.key` and `ex.tenant`."""
+        ex.key = self.auth.authenticate(request.headers)
+        if ex.key is not None:
+            ex.tenant = ex.key.tenant
+
+    def classify(self, ex: Exchange, request: web.Request) -> DeadlineOverrides:
+        """The SLO target and the deadline overrides the request asked for, each parsed once
+        and bounded. May refuse (400). Hands on `ex.slo` and the overrides."""
+        ex.slo = self.slo.target_for(ex.route, request.headers)
+        return DeadlineOverrides.from_headers(request.headers)
+
+    async def read(self, ex: Exchange, request: web.Request) -> None:
+        """The body (bounded) and the few fields the gateway needs: model, stream. May refuse
+        (413, 400, 403 for a model the key may not use). Hands on `ex.body`, `ex.parsed`,
+        `ex.model`, `ex.stream`."""
+        ex.body = await ingress.read_body(request, self.cfg.server.max_body_bytes)
+        ex.t_body = now_ns()
+        ex.parsed = ingress.parse_json(ex.body)
+        ex.model = ingress.model_of(ex.parsed)
+        self.auth.authorize(ex.key, ex.model)
+        ex.model_label = self.router.model_label(ex.model)
+        ex.stream = ingress.stream_of(ex.parsed)
+
+    def start_deadlines(self, ex: Exchange, request: web.Request,
+                        overrides: DeadlineOverrides) -> Watchdog:
+        """Arm the request's total deadline (from its model's first backend, tightened by the
+        request) and start its spans. Hands on the Watchdog."""
+        api = self._api(ex)
+        first = self.router.replicas_for(ex.model or "", api.family)
+        timeouts = overrides.apply(first[0].cfg.timeouts if first
+                                   else self.cfg.backends[0].timeouts)
+        if self.tracing.enabled:
+            self.tracing.start(ex, request.headers, ex.operation)
+        watchdog = Watchdog(ex, ex.t_received + int(timeouts.total_s * 1e9), timeouts.idle_s)
+        self.active.add(watchdog)
+        ex.retry_budget_at = ex.t_received + int(
+            (self.retry.budget_s or 2 * timeouts.first_token_s) * 1e9)
+        return watchdog
+
+    async def admit(self, ex: Exchange) -> None:
+        """Admission control: admit now, queue, or refuse (429 with Retry-After). Hands on
+        `ex.ticket` (the replica admission chose), or nothing when admission is off."""
+        if self.admission is None:
+            ex.admission = ("admitted", "admission_off")
+            self.metrics.child(self.metrics.admission, (ex.model_label, ex.route, ex.slo.name,
+                                                        *ex.admission)).inc()
+            return
+        api = self._api(ex)
+        ex.ticket = await self.admission.admit(
+            ex, api.family, len(ex.body),
+            api.prefix_key(ex.parsed, self.cfg.admission.prefix_bytes))
+        ex.on_first_token = ex.ticket.first_token
+
+    async def forward(self, ex: Exchange, request: web.Request, watchdog: Watchdog,
+                      overrides: DeadlineOverrides) -> web.StreamResponse:
+        """choose_replica → send_upstream → relay; after a failed attempt, back to
+        choose_replica (tenacity schedules the retries) until one commits or attempts run
+        out, then the last failure is answered."""
+        try:  # the common case: one attempt, nothing spent on retry machinery
+            return await self.attempt(ex, request, watchdog, overrides)
+        except AttemptFailed as e:
+            if not e.retryable or self.retry.max_attempts == 1:
+                return self.answer_failure(ex, e)
+            first_failure: AttemptFailed | None = e
+        retrying = AsyncRetrying(
+            stop=self._stop(ex), wait=self._wait, reraise=True,
+            retry=retry_if_exception(lambda e: isinstance(e, AttemptFailed) and e.retryable))
+        try:
+            async for try_ in retrying:
+                with try_:
+                    if first_failure is not None:  # attempt 1, already made: tenacity waits
+                        failure, first_failure = first_failure, None
+                        raise failure
+                    ex.attempt_failed(ex.last_failure.result if ex.last_failure else "",
+                                      self.tracing.end_attempt(ex, ex.last_failure.result
+                                                               if ex.last_failure else ""))
+                    return await self.attempt(ex, request, watchdog, overrides)
+        except AttemptFailed as e:
+            return self.answer_failure(ex, e)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def attempt(self, ex: Exchange, request: web.Request, watchdog: Watchdog,
+                      overrides: DeadlineOverrides) -> web.StreamResponse:
+        """One upstream attempt: choose a replica, send, relay. Its failure before commit is
+        counted against the replica (when it says something about the replica's health) and
+        raised as AttemptFailed."""
+        attempt = self.choose_replica(ex, overrides)
+        replica = attempt.replica
+        try:
+            try:
+                up = await self.send_upstream(ex, request, attempt, watchdog)
+                response = await self.relay(ex, request, up, watchdog)
+            except asyncio.CancelledError:
+                # A deadline (or the drain) that fires before anything was committed — while
+                # connecting, waiting for headers, reading an error or a whole body — makes
+                # it a failed attempt; the relay handles the ones that fire after commit.
+                reason = watchdog.claim()
+                if reason is None or ex.t_committed:
+                    raise  # the client went away (or it is too late for an HTTP error)
+                raise deadline_failure(reason) from None
+        except AttemptFailed as e:
+            ex.last_failure = e
+            self.metrics.child(self.metrics.attempts, (replica.name, e.result)).inc()
+            if e.judges_backend:
+                replica.breaker.failure()
+            else:
+                replica.breaker.release()
+            attempt.close()
+            raise
+        self.metrics.child(self.metrics.attempts, (replica.name, ATTEMPT_OK)).inc()
+        replica.breaker.success()
+        return response
+
+    def choose_replica(self, ex: Exchange, overrides: DeadlineOverrides) -> Attempt:
+        """The replica admission chose, if its breaker lets this request through (a half-open
+        breaker admits one probe, however the replica was chosen); else an untried replica of
+        the model, then of its fallback models the key may use, in order; else one already
+        tried (a retry after Retry-After may go back). Hands on `ex.attempt`."""
+        api = self._api(ex)
+        model = ex.model or ""
+        tried = [a.replica for a in ex.attempts]
+        ticket = ex.ticket
+        chosen: tuple[Replica, str] | None = None
+        if (ticket is not None and ticket.replica not in tried and ticket.replica.healthy
+                and ticket.replica.breaker.acquire()):
+            chosen = ticket.replica, ticket.replica.cfg.aliases.get(model, model)
+        else:
+            chain = [model] + [m for m in self.cfg.fallbacks.get(model, ())
+                               if self.auth.allows(ex.key, m)]
+            last: GatewayError | None = None
+            for exclude in (tried, ()):
+                for name in chain:
+                    try:
+                        chosen = self.router.pick(name, api.family, exclude)
+                        break
+                    except GatewayError as e:
+                        last = e
+                if chosen is not None:
+                    break
+            if chosen is None:
+                if ex.last_failure is not None:
+                    # Nowhere left to go: the client hears about the last real failure.
+                    ex.last_failure.retryable = False
+                    raise ex.last_failure
+                assert last is not None
+                raise last
+        replica, upstream_model = chosen
+        if ticket is not None:
+            ticket.move(replica)
+        attempt = Attempt(replica, upstream_model, overrides.apply(replica.cfg.timeouts),
+                          replica.provider)
+        ex.attempt = attempt
+        ex.backend = replica.name
+        ex.server_address, ex.server_port = replica.address, replica.port
+        ex.upstream_model = upstream_model
+        return attempt
+
+    async def send_upstream(self, ex: Exchange, request: web.Request, attempt: Attempt,
+                            watchdog: Watchdog) -> aiohttp.ClientResponse:
+        """Prepare the body and headers for this replica (the API adapter decides the body;
+        the provider the auth and default headers), send, and wait for the response headers.
+        A connect failure or a retryable status is an AttemptFailed. Hands on the upstream
+        response (also `attempt.response`)."""
+        api = self._api(ex)
+        replica, timeouts = attempt.replica, attempt.timeouts
+        provider = attempt.provider
+        send = dict(ex.parsed)
+        prepared = api.prepare(send, ex.route, ex.stream, replica.cfg, provider)
+        ex.usage_injected = prepared.usage_injected
+        changed = prepared.changed
+        if attempt.upstream_model != send.get("model"):
+            send["model"] = attempt.upstream_model
+            changed = True
+        data = orjson.dumps(send) if changed else ex.body
+        headers = upstream_request_headers(request.headers,
+                                           forward_auth=replica.cfg.forward_client_auth)
+        headers["Content-Type"] = "application/json"
+        headers["X-Request-Id"] = ex.request_id
+        for name, value in provider.default_headers.items():
+            if name not in headers:  # e.g. anthropic-version, unless the client chose one
+                headers[name] = value
+        if replica.api_key:
+            headers.update(provider.auth_headers(replica.api_key))
+        url = replica.url(ROUTES[ex.route][1])
+        ex.t_sent = now_ns()
+        ex.t_dispatched = ex.t_dispatched or ex.t_sent
+        watchdog.attempt(timeouts.first_token_s if ex.stream else timeouts.total_s,
+                         timeouts.idle_s)
+        self.tracing.upstream_attempt(ex, headers, replica.cfg.propagate_trace)
+        post_kw: dict[str, Any] = {}
+        if timeouts.connect_s < replica.cfg.timeouts.connect_s:  # a request that asked for less
+            post_kw["timeout"] = aiohttp.ClientTimeout(total=None, connect=None,
+                                                       sock_connect=timeouts.connect_s)
+        try:
+            up = await replica.session.post(url, data=data, headers=headers,
+                                            trace_request_ctx=ex, **post_kw)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise AttemptFailed(CONNECT_ERROR, 502, f"Backend '{replica.name}' is unreachable: "
+                                f"{type(e).__name__}.", "upstream_unreachable") from None
+        attempt.response = up
+        ex.t_headers = now_ns()
+        ex.status = up.status
+        if up.status in self.retry.statuses:
+            raise await self._retryable_status(ex, up)
+        return up
+
+    async def relay(self, ex: Exchange, request: web.Request, up: aiohttp.ClientResponse,
+                    watchdog: Watchdog) -> web.StreamResponse:
+        """The upstream response to the client: an event stream byte-exact as it arrives
+        (committed at the first token, or at the headers), anything else read whole (bounded)
+        and passed through with its status."""
+        extra = ((REQUEST_ID_HEADER, ex.request_id),)
+        api = self._api(ex)
+        ctype = up.headers.get("Content-Type", "")
+        if up.status != 200 or not ex.stream or not ctype.startswith("text/event-stream"):
+            return await self._whole(ex, up, api, extra)
+        headers_out = client_response_headers(up.headers, event_stream=True, extra=extra)
+        capture = [] if self._capturing(ex) else None
+        ex.captured_output = capture
+        return await Relay(request, ex, up, api, headers_out,
+                           hold_until_first_token=self.hold_until_first_token,
+                           watchdog=watchdog, keepalive_s=self.cfg.server.keepalive_s,
+                           capture=capture).run()
+
+    def finish(self, ex: Exchange) -> None:
+        """Release what the request held (admission ticket, upstream connection: back to the
+        pool only after a clean end), then verdict, metrics, spans and the access log, once,
+        from the finished timeline."""
+        if ex.ticket is not None:
+            ex.ticket.finish(ex)
+        if ex.attempt is not None and ex.attempt.response is not None:
+            if ex.outcome == OK:
+                ex.attempt.response.release()
+                ex.attempt.response = None
+            else:
+                ex.attempt.close()
+        self.metrics.in_flight.dec()
+        last = ex.attempt or (ex.attempts[-1] if ex.attempts else None)
+        self.finisher.finish(ex, ex.operation,
+                             last.replica.cfg.provider if last is not None else "unknown")
+
+    # -- answers ---------------------------------------------------------------------------------
+
+    def answer_failure(self, ex: Exchange, e: AttemptFailed) -> web.Response:
+        """Retries are over: the last upstream error response passes through as it was;
+        otherwise the gateway's own error in the client's format."""
+        ex.status = e.status
+        if e.response is not None:
+            ex.finish(UPSTREAM_ERROR, str(e.status))
+            status, headers, body = e.response
+            return web.Response(status=status, body=body, headers=headers)
+        error = e.as_gateway_error()
+        ex.finish(error.outcome, e.code)
+        return self.error_response(ex, error)
+
+    def error_response(self, ex: Exchange, e: GatewayError) -> web.Response:
+        headers = {REQUEST_ID_HEADER: ex.request_id, **e.headers}
+        return web.Response(status=e.status, body=self._api(ex).error_body(
+            e.status, e.message, e.code, e.param), content_type="application/json",
+            headers=headers)
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _api(ex: Exchange) -> Api:
+        assert ex.api is not None
+        return ex.api
+
+    def _capturing(self, ex: Exchange) -> bool:
+        """Content capture: only when the operator opted in, and only for a recorded span."""
+        return (self.tracing.capture_content and ex.trace is not None
+                and ex.trace.sampled)
 
     def _wait(self, rs: RetryCallState) -> float:
         exc = rs.outcome.exception() if rs.outcome else None
         if isinstance(exc, AttemptFailed) and exc.retry_after_s is not None:
             return exc.retry_after_s
-        return self._backoff(rs)
+        return float(self._backoff(rs))
 
-    def _stop(self, ctx: RequestContext, first_token_s: float):
-        # Default budget: twice the first-token deadline of the request's own backend, so that
-        # one stalled attempt still leaves room for another.
-        budget_s = self.retry.budget_s or 2 * first_token_s
-        budget_at = ctx.t_received + int(budget_s * 1e9)
+    def _stop(self, ex: Exchange) -> Callable[[RetryCallState], bool]:
+        """Stop after max_attempts, or when the next attempt would start past the retry
+        budget (default: twice the first-token deadline of the request's own backend, so that
+        one stalled attempt still leaves room for another)."""
         by_count = stop_after_attempt(self.retry.max_attempts)
 
         def stop(rs: RetryCallState) -> bool:
-            return by_count(rs) or now_ns() + int((rs.upcoming_sleep or 0) * 1e9) >= budget_at
+            return bool(by_count(rs)) or (
+                now_ns() + int((rs.upcoming_sleep or 0) * 1e9) >= ex.retry_budget_at)
 
         return stop
 
-    async def _with_retries(self, request, ctx, api, parsed, body, watchdog, headers_in,
-                            state) -> web.StreamResponse:
-        tried: list[Replica] = []
-        try:  # the common case: one attempt, nothing spent on retry machinery
-            return await self._attempt(request, ctx, api, parsed, body, watchdog, headers_in,
-                                       state, tried)
-        except AttemptFailed as e:
-            if not e.retryable or self.retry.max_attempts == 1:
-                return self._final_failure(ctx, api, e)
-            first_failure: AttemptFailed | None = e
-        retrying = AsyncRetrying(
-            stop=self._stop(ctx, state["timeouts"].first_token_s), wait=self._wait, reraise=True,
-            retry=retry_if_exception(lambda e: isinstance(e, AttemptFailed) and e.retryable))
-        try:
-            async for attempt in retrying:
-                with attempt:
-                    if first_failure is not None:  # attempt 1, already made: tenacity waits
-                        failure, first_failure = first_failure, None
-                        raise failure
-                    ctx.new_attempt(state["failed"], self.tracing.end_attempt(ctx, state["failed"]))
-                    return await self._attempt(request, ctx, api, parsed, body, watchdog,
-                                               headers_in, state, tried)
-        except AttemptFailed as e:
-            return self._final_failure(ctx, api, e)
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _pick(self, ctx: RequestContext, family: str, tried: list[Replica],
-              state: dict[str, Any]) -> tuple[Replica, str]:
-        """The replica admission chose; else an untried replica of the model, then of its
-        fallback models in order; else one already tried (a retry after Retry-After may go
-        back)."""
-        ticket = state.get("ticket")
-        if ticket is not None and ticket.replica not in tried and ticket.replica.available():
-            return ticket.replica, ticket.replica.cfg.aliases.get(ctx.model, ctx.model)
-        chain = (ctx.model,) + tuple(self.cfg.fallbacks.get(ctx.model or "", ()))
-        last: GatewayError | None = None
-        for exclude in (tried, ()):
-            for model in chain:
-                try:
-                    return self.router.pick(model, family, exclude)
-                except GatewayError as e:
-                    last = e
-        assert last is not None
-        raise last
-
-    async def _attempt(self, request, ctx, api, parsed, body, watchdog, headers_in, state,
-                       tried) -> web.StreamResponse:
-        try:
-            replica, upstream_model = self._pick(ctx, api.FAMILY, tried, state)
-        except GatewayError:
-            if not tried:
-                raise
-            # Nowhere left to go: the client hears about the last real failure.
-            last: AttemptFailed = state["last_failure"]
-            last.retryable = False
-            raise last from None
-        tried.append(replica)
-        if state.get("ticket") is not None:
-            state["ticket"].move(replica)
-        timeouts = state["attempt_timeouts"] = replica.cfg.timeouts.tightened(headers_in)
-        ctx.backend = replica.name
-        state["provider"] = replica.cfg.provider
-        ctx.server_address, ctx.server_port = replica.address, replica.port
-        ctx.upstream_model = upstream_model
-        send = dict(parsed)
-        ctx.usage_injected = False  # decided per attempt: backends differ
-        changed = api.prepare_request(ctx, send, replica.cfg)
-        if upstream_model != send.get("model"):
-            send["model"] = upstream_model
-            changed = True
-        data = orjson.dumps(send) if changed else body
-        headers = upstream_request_headers(headers_in, forward_auth=replica.cfg.forward_client_auth)
-        headers["Content-Type"] = "application/json"
-        headers["X-Request-Id"] = ctx.request_id
-        btype = backends.backend_type(replica.cfg.type)
-        for name, value in getattr(btype, "DEFAULT_HEADERS", {}).items():
-            if name not in headers:  # e.g. anthropic-version, unless the client chose one
-                headers[name] = value
-        if replica.api_key:
-            headers.update(btype.auth_headers(replica.api_key))
-        url = replica.url(api.ROUTES[ctx.route])
-        ctx.t_sent = now_ns()
-        ctx.t_dispatched = ctx.t_dispatched or ctx.t_sent
-        watchdog.attempt(timeouts.first_token_s if ctx.stream else timeouts.total_s,
-                         timeouts.idle_s)
-        self.tracing.upstream_attempt(ctx, headers, replica.cfg.propagate_trace)
-        try:
-            result = await self._exchange(request, ctx, api, replica, url, data, headers,
-                                          watchdog, state)
-        except AttemptFailed as e:
-            state["failed"] = e.result
-            state["last_failure"] = e
-            self.metrics.child(self.metrics.attempts, (replica.name, e.result)).inc()
-            if e.result not in ("http_429",):  # rate limits are not ill health
-                replica.breaker.failure()
-            up = state.pop("up", None)
-            state["up"] = None
-            if up is not None:
-                up.close()
-            raise
-        self.metrics.child(self.metrics.attempts, (replica.name, "ok")).inc()
-        replica.breaker.success()
-        return result
-
-    async def _exchange(self, request, ctx, api, replica, url, data, headers, watchdog,
-                        state) -> web.StreamResponse:
-        """One upstream exchange. A deadline (or the drain) that fires before anything was
-        committed — while connecting, waiting for headers, reading an error or a whole body —
-        makes it a failed attempt; the relay handles the ones that fire after commit."""
-        try:
-            return await self._exchange_once(request, ctx, api, replica, url, data, headers,
-                                             watchdog, state)
-        except asyncio.CancelledError:
-            reason = watchdog.claim()
-            if reason is None or ctx.t_committed:
-                raise  # the client went away (or it is too late for an HTTP error)
-            raise before_commit_failure(reason) from None
-
-    async def _exchange_once(self, request, ctx, api, replica, url, data, headers, watchdog,
-                             state) -> web.StreamResponse:
-        current_request.set(ctx)
-        connect_s = state["attempt_timeouts"].connect_s
-        post_kw: dict[str, Any] = {}
-        if connect_s < replica.cfg.timeouts.connect_s:  # a request that asked for less
-            post_kw["timeout"] = aiohttp.ClientTimeout(total=None, connect=None,
-                                                       sock_connect=connect_s)
-        try:
-            up = await replica.session.post(url, data=data, headers=headers, **post_kw)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            raise AttemptFailed("connect_error", 502, f"Backend '{replica.name}' is unreachable: "
-                                f"{type(e).__name__}.", "upstream_unreachable") from None
-        state["up"] = up
-        ctx.t_headers = now_ns()
-        ctx.status = up.status
-        extra = ((REQUEST_ID_HEADER, ctx.request_id),)
-        if up.status in self.retry.statuses:
-            raise await self._retryable_status(up, extra)
-        ctype = up.headers.get("Content-Type", "")
-        if up.status != 200 or not ctx.stream or not ctype.startswith("text/event-stream"):
-            return await self._whole(ctx, up, api, extra)
-        headers_out = client_response_headers(up.headers, event_stream=True, extra=extra)
-        relay = Relay(request, ctx, up, api.StreamObserver(ctx), api, headers_out,
-                      hold_until_first_token=self.hold_until_first_token, watchdog=watchdog,
-                      keepalive_s=self.keepalive_s)
-        return await relay.run()
-
-    async def _retryable_status(self, up: aiohttp.ClientResponse, extra) -> AttemptFailed:
+    async def _retryable_status(self, ex: Exchange,
+                                up: aiohttp.ClientResponse) -> AttemptFailed:
         """A 429/5xx before anything was committed: worth another attempt, unless the upstream
-        asks for a longer wait than we may spend."""
+        asks for a longer wait than we may spend. A rate limit says nothing about health."""
         body = await _read_bounded(up, MAX_ERROR_BODY)
-        headers = dict(client_response_headers(up.headers, event_stream=False, extra=extra))
-        retry_after = _retry_after_s(up.headers)
+        headers = dict(client_response_headers(up.headers, event_stream=False,
+                                               extra=((REQUEST_ID_HEADER, ex.request_id),)))
+        retry_after = retry_after_s(up.headers)
         retryable = retry_after is None or retry_after <= self.retry.retry_after_cap_s
         return AttemptFailed(f"http_{up.status}", up.status, f"Upstream answered {up.status}.",
                              f"upstream_{up.status}", retryable=retryable,
-                             retry_after_s=retry_after, response=(up.status, headers, body))
+                             retry_after_s=retry_after, response=(up.status, headers, body),
+                             judges_backend=up.status != 429)
 
-    def _final_failure(self, ctx: RequestContext, api, e: AttemptFailed) -> web.Response:
-        """Retries are over: the last upstream error response passes through as it was;
-        otherwise the gateway's own error in the client's format."""
-        ctx.status = e.status
-        if e.response is not None:
-            ctx.finish(UPSTREAM_ERROR, str(e.status))
-            status, headers, body = e.response
-            return web.Response(status=status, body=body, headers=headers)
-        outcome = TIMEOUT if e.code in (deadlines.FIRST_TOKEN, deadlines.TOTAL) else UPSTREAM_ERROR
-        if e.code == deadlines.SHUTDOWN:
-            outcome = GATEWAY_ERROR
-        ctx.finish(outcome, e.code)
-        return self._error(ctx, api, GatewayError(e.status, e.message, e.code, outcome=outcome))
-
-    async def _whole(self, ctx: RequestContext, up: aiohttp.ClientResponse, api,
-                     extra) -> web.StreamResponse:
+    async def _whole(self, ex: Exchange, up: aiohttp.ClientResponse, api: Api,
+                     extra: tuple[tuple[str, str], ...]) -> web.StreamResponse:
         """A response that is not an event stream (non-stream answer or an upstream error):
         read it whole and pass status, headers and body through."""
         body = await _read_bounded(up, MAX_ERROR_BODY if up.status >= 400 else None)
         t = now_ns()
-        ctx.t_first_event = ctx.t_first_token = ctx.t_last_token = t
+        ex.t_first_event = ex.t_first_token = ex.t_last_token = t
         if up.status < 400:
-            api.observe_response(ctx, body)
-            ctx.finish(OK)
+            ex.read_facts(api.observe_response(body))
+            if self._capturing(ex):
+                ex.captured_output = [body[:16 * 1024].decode("utf-8", "replace")]
+            ex.finish(OK)
         else:
-            ctx.finish(UPSTREAM_ERROR, str(up.status))
+            ex.finish(UPSTREAM_ERROR, str(up.status))
         headers = client_response_headers(up.headers, event_stream=False, extra=extra)
         return web.Response(status=up.status, body=body, headers=headers)
-
-    @staticmethod
-    def _error(ctx: RequestContext, api, e: GatewayError) -> web.Response:
-        headers = {REQUEST_ID_HEADER: ctx.request_id, **e.headers}
-        return web.Response(status=e.status, body=api.error_body(e.status, e.message, e.code,
-                                                                  e.param),
-                            content_type="application/json", headers=headers)
 
 
 async def _read_bounded(up: aiohttp.ClientResponse, limit: int | None) -> bytes:
@@ -372,7 +453,7 @@ async def _read_bounded(up: aiohttp.ClientResponse, limit: int | None) -> bytes:
     return b"".join(parts)[:limit]
 
 
-def _retry_after_s(headers) -> float | None:
+def retry_after_s(headers: Any) -> float | None:
     """Retry-After (seconds or an HTTP date) or retry-after-ms, in seconds."""
     ms = headers.get("retry-after-ms")
     if ms is not None:
@@ -386,9 +467,6 @@ def _retry_after_s(headers) -> float | None:
     try:
         return max(0.0, float(value))
     except ValueError:
-        from email.utils import parsedate_to_datetime
-        import time
-
         try:
             return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
         except (TypeError, ValueError):

@@ -8,95 +8,147 @@ Bytes are forwarded unchanged and in order, one write per upstream read. Two thi
   and it lets the gateway drop the usage chunk it injected and end a cut stream with an error
   event that the client can parse.
 
-Deadlines are the Watchdog's business: when it fires, the read is cancelled; before commit that
-is an AttemptFailed (retryable), after commit the stream ends with an error event in the
-client's API format.
+`Splicer` is the pure core (upstream reads in, client bytes out, the exchange's timeline
+stamped); `Relay` is the I/O around it. Deadlines are the Watchdog's business: when it fires,
+the read is cancelled; before commit that is an AttemptFailed (retryable), after commit the
+stream ends with an error event in the client's API format.
 """
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
 
-from gateway import deadlines
-from gateway.context import (GATEWAY_ERROR, OK, TIMEOUT, UPSTREAM_ERROR, UPSTREAM_TRUNCATED,
-                             RequestContext, now_ns)
-from gateway.deadlines import Watchdog
+from gateway.errors import (CLOSED_BEFORE_FIRST_TOKEN, GATEWAY_ERROR, OK, SHUTDOWN, TIMEOUT,
+                            UPSTREAM_ERROR, UPSTREAM_TRUNCATED, AttemptFailed, ClientGone,
+                            deadline_failure)
+from gateway.exchange import Exchange, now_ns
 from gateway.sse import SSEParser
+
+if TYPE_CHECKING:
+    from gateway.apis.base import Api
+    from gateway.deadlines import Watchdog
 
 HOLD_LIMIT = 64 * 1024
 PING = b": ping\n\n"
+CAPTURE_LIMIT = 16 * 1024  # characters of output text kept when content capture is on
 
 
-class ClientGone(Exception):
-    """The client went away while we wrote to it."""
+def splice(buf: bytes, drops: list[tuple[int, int]] | None, cut: int) -> bytes:
+    """`buf[:cut]` without the byte ranges in `drops` (sorted, disjoint, each [start, end))."""
+    if not drops:
+        return buf if cut == len(buf) else buf[:cut]
+    parts, prev = [], 0
+    for start, end in drops:
+        parts.append(buf[prev:start])
+        prev = end
+    parts.append(buf[prev:cut])
+    return b"".join(parts)
 
 
-class AttemptFailed(Exception):
-    """An upstream attempt failed before anything was committed to the client: routing may
-    try another replica. `result` is its label in upstream_attempts_total."""
+class Splicer:
+    """Turns upstream reads into the bytes the client gets: parses events, has the API adapter
+    say what each is, stamps the exchange, drops the usage chunk the gateway asked for, and
+    keeps the start of an incomplete event back (up to HOLD_LIMIT). No I/O."""
 
-    def __init__(self, result: str, status: int, message: str, code: str, *,
-                 retryable: bool = True, retry_after_s: float | None = None,
-                 response: tuple[int, dict[str, str], bytes] | None = None) -> None:
-        super().__init__(message)
-        self.result = result
-        self.status = status
-        self.message = message
-        self.code = code
-        self.retryable = retryable
-        self.retry_after_s = retry_after_s
-        self.response = response  # an upstream error response to pass through if it is final
+    __slots__ = ("ex", "api", "route", "parser", "pending", "drop_lf", "partial_out", "capture")
 
+    def __init__(self, ex: Exchange, api: Api, capture: list[str] | None = None) -> None:
+        self.ex = ex
+        self.api = api
+        self.route = ex.route
+        self.parser = SSEParser()
+        self.pending = b""  # start of an incomplete event
+        self.drop_lf = False  # a dropped event ended in CR: the LF opening the next read is its
+        self.partial_out = False  # part of an unfinished event went out (over HOLD_LIMIT)
+        self.capture = capture  # output text, when the operator opted in to content capture
 
-async def write(resp: web.StreamResponse, data: bytes) -> None:
-    try:
-        await resp.write(data)
-    except (ConnectionResetError, aiohttp.ClientConnectionResetError) as e:
-        raise ClientGone() from e
+    def feed(self, chunk: bytes, t: int) -> bytes:
+        ex = self.ex
+        parser = self.parser
+        lf_owed, self.drop_lf = self.drop_lf, False
+        events = parser.feed(chunk)
+        pending = self.pending
+        base = len(pending)
+        buf = pending + chunk if base else chunk
+        drops: list[tuple[int, int]] | None = None
+        if events:
+            ex.t_last_event = t
+            observe, route, drop_usage = self.api.observe, self.route, ex.usage_injected
+            for ev in events:
+                info = observe(ev, route)
+                ex.event_seen(info, t)
+                if info.usage_only and drop_usage:
+                    start = ev.start + base if ev.start >= 0 else 0
+                    end = ev.end + base
+                    (drops := drops or []).append((start, end))
+                    if end == len(buf) and parser.skip_lf:
+                        self.drop_lf = True
+                elif self.capture is not None and info.token:
+                    self._capture(ev)
+        hold_from = parser.hold_from
+        if hold_from is None:
+            cut = len(buf)
+        else:
+            cut = hold_from + base if hold_from >= 0 else 0
+            if len(buf) - cut > HOLD_LIMIT:
+                cut = len(buf)
+                self.partial_out = True
+        out = splice(buf, drops, cut)
+        if cut < len(buf):
+            self.pending = buf[cut:]
+        else:
+            self.pending = b""
+            self.partial_out = False
+        if lf_owed and out[:1] == b"\n":
+            out = out[1:]
+        return out
 
-
-def before_commit_failure(reason: str) -> AttemptFailed:
-    if reason == deadlines.FIRST_TOKEN:
-        return AttemptFailed(reason, 504, "The upstream sent no token before the first-token "
-                             "deadline.", reason)
-    if reason == deadlines.TOTAL:
-        return AttemptFailed(reason, 504, "The request ran past its total deadline.", reason,
-                             retryable=False)
-    return AttemptFailed(reason, 503, "The gateway is shutting down.", reason, retryable=False)
+    def _capture(self, ev: object) -> None:
+        capture = self.capture
+        assert capture is not None
+        if sum(map(len, capture)) < CAPTURE_LIMIT:
+            text = self.api.output_text(ev)  # type: ignore[arg-type]
+            if text:
+                capture.append(text)
 
 
 class Relay:
-    """One streamed response: upstream `up` → client, through `observer`."""
+    """One streamed response: the upstream response of `ex.attempt` → the client."""
 
-    def __init__(self, request: web.Request, ctx: RequestContext, up: aiohttp.ClientResponse,
-                 observer, api, headers, *, hold_until_first_token: bool, watchdog: Watchdog,
-                 keepalive_s: float = 0.0) -> None:
+    def __init__(self, request: web.Request, ex: Exchange, up: aiohttp.ClientResponse,
+                 api: Api, headers: object, *, hold_until_first_token: bool,
+                 watchdog: Watchdog, keepalive_s: float = 0.0,
+                 capture: list[str] | None = None) -> None:
         self.request = request
-        self.ctx = ctx
+        self.ex = ex
         self.up = up
-        self.observer = observer
         self.api = api
         self.headers = headers
         self.hold = hold_until_first_token
         self.watchdog = watchdog
         self.keepalive_s = keepalive_s
-        self.client: web.StreamResponse | None = None
+        self.splicer = Splicer(ex, api, capture)
         self.held: list[bytes] = []  # before commit
         self.t_last_write = 0
-        self.partial_out = False  # part of an unfinished event went out (over HOLD_LIMIT)
         self._commit_lock = asyncio.Lock()
 
     async def _commit(self) -> None:
+        """Send the response headers and what was held, once. The exchange's `response` is
+        the commit state; it is published after the held bytes are taken, with no await in
+        between, so bytes arriving meanwhile keep their order. The lock only serialises the
+        reader and the keepalive pinger."""
         async with self._commit_lock:
-            if self.client is not None:
+            ex = self.ex
+            if ex.response is not None:
                 return
-            resp = web.StreamResponse(status=self.up.status, headers=self.headers)
+            resp = web.StreamResponse(status=self.up.status, headers=self.headers)  # type: ignore[arg-type]
             await resp.prepare(self.request)
-            self.ctx.t_committed = now_ns()
-            self.client = resp
+            ex.t_committed = now_ns()
             first, self.held = b"".join(self.held), []
+            ex.response = resp
             if first:
                 await write(resp, first)
             self.t_last_write = now_ns()
@@ -108,12 +160,12 @@ class Relay:
         self.t_last_write = now_ns()
         while True:
             await asyncio.sleep(max(0.0, interval - (now_ns() - self.t_last_write) / 1e9))
-            if (now_ns() - self.t_last_write) / 1e9 < interval or self.partial_out:
+            if (now_ns() - self.t_last_write) / 1e9 < interval or self.splicer.partial_out:
                 continue
-            if self.client is None:
-                await self._commit()
-            await write(self.client, PING)  # type: ignore[arg-type]
-            self.t_last_write = now_ns()
+            await self._commit()
+            if self.ex.response is not None:
+                await write(self.ex.response, PING)
+                self.t_last_write = now_ns()
 
     async def run(self) -> web.StreamResponse:
         pinger = (asyncio.create_task(self._keepalive()) if self.keepalive_s > 0 else None)
@@ -124,60 +176,19 @@ class Relay:
                 pinger.cancel()
 
     async def _run(self) -> web.StreamResponse:
-        ctx = self.ctx
-        parser = SSEParser()
-        feed = parser.feed
-        on_event = self.observer.on_event
-        pending = b""  # start of an incomplete event
-        drop_lf = False  # a dropped event ended in CR: the LF opening the next read is its
+        ex = self.ex
+        feed = self.splicer.feed
         idle_armed = False
         try:
             async for chunk in self.up.content.iter_any():
                 t = now_ns()
-                lf_owed, drop_lf = drop_lf, False
-                events = feed(chunk)
-                base = len(pending)
-                buf = pending + chunk if base else chunk
-                drops = None
-                if events:
-                    ctx.t_last_event = t
-                    for ev in events:
-                        if not on_event(ev, t):
-                            start = ev.start + base if ev.start >= 0 else 0
-                            end = ev.end + base
-                            (drops := drops or []).append((start, end))
-                            if end == len(buf) and parser.skip_lf:
-                                drop_lf = True
-                    if not idle_armed and ctx.t_first_token:
-                        self.watchdog.first_token()
-                        idle_armed = True
-                        if ctx.on_first_token is not None:
-                            ctx.on_first_token()
-                hold_from = parser.hold_from
-                if hold_from is None:
-                    cut = len(buf)
-                else:
-                    cut = hold_from + base if hold_from >= 0 else 0
-                    if len(buf) - cut > HOLD_LIMIT:
-                        cut = len(buf)
-                        self.partial_out = True
-                if drops:
-                    out_parts, prev = [], 0
-                    for s, e in drops:
-                        out_parts.append(buf[prev:s])
-                        prev = e
-                    out_parts.append(buf[prev:cut])
-                    out = b"".join(out_parts)
-                else:
-                    out = buf if cut == len(buf) else buf[:cut]
-                if cut < len(buf):
-                    pending = buf[cut:]
-                else:
-                    pending = b""
-                    self.partial_out = False
-                if lf_owed and out[:1] == b"\n":
-                    out = out[1:]
-                client = self.client
+                out = feed(chunk, t)
+                if not idle_armed and ex.t_first_token:
+                    self.watchdog.first_token()
+                    idle_armed = True
+                    if ex.on_first_token is not None:
+                        ex.on_first_token()
+                client = ex.response
                 if client is not None:
                     if out:
                         try:
@@ -188,50 +199,62 @@ class Relay:
                 else:
                     if out:
                         self.held.append(out)
-                    if not self.hold or ctx.t_first_token or ctx.done or ctx.error_type:
+                    if not self.hold or ex.t_first_token or ex.done or ex.error_type:
                         await self._commit()
-                ctx.overhead_ns += now_ns() - t
+                ex.overhead_ns += now_ns() - t
         except asyncio.CancelledError:
             reason = self.watchdog.claim()
             if reason is None:
                 raise  # the client went away
-            if self.client is None:
-                raise before_commit_failure(reason) from None
-            return await self._end_with_error(reason, TIMEOUT if reason != deadlines.SHUTDOWN
+            if not ex.t_committed:
+                raise deadline_failure(reason) from None
+            return await self._end_with_error(reason, TIMEOUT if reason != SHUTDOWN
                                               else GATEWAY_ERROR, f"The stream was ended: {reason}.")
         except (aiohttp.ClientError, asyncio.TimeoutError):
-            ctx.error_type = "upstream_connection_lost"
-        if ctx.done:
-            if self.client is None:
-                await self._commit()
+            ex.error_type = "upstream_connection_lost"
+        if ex.done:
+            await self._commit()
+            pending = self.splicer.pending
             if pending:
-                await write(self.client, pending)  # type: ignore[arg-type]
+                await write(self._client(), pending)
             # An in-band error followed by [DONE] (vLLM) is still a failed request.
-            if ctx.error_type:
-                ctx.interruption = "upstream_error"
-            ctx.finish(UPSTREAM_ERROR if ctx.error_type else OK)
+            if ex.error_type:
+                ex.interruption = "upstream_error"
+            ex.finish(UPSTREAM_ERROR if ex.error_type else OK)
             return await self._eof()
-        if self.client is None:
-            raise AttemptFailed("closed_before_first_token", 502, "The upstream closed the "
+        if not ex.t_committed:
+            raise AttemptFailed(CLOSED_BEFORE_FIRST_TOKEN, 502, "The upstream closed the "
                                 "stream before the first token.", "upstream_stream_truncated")
-        return await self._end_with_error(ctx.error_type or "stream_truncated",
+        return await self._end_with_error(ex.error_type or "stream_truncated",
                                           UPSTREAM_TRUNCATED, "The upstream closed the stream "
                                           "before it was complete.", code="stream_truncated")
+
+    def _client(self) -> web.StreamResponse:
+        assert self.ex.response is not None, "committed"
+        return self.ex.response
 
     async def _end_with_error(self, reason: str, outcome: str, message: str,
                               code: str | None = None) -> web.StreamResponse:
         """A committed stream that cannot complete ends with an error event in the client's
         API format: never a silent clean close (Portkey #1797)."""
-        ctx = self.ctx
-        ctx.interruption = reason
-        ctx.finish(outcome, reason)
-        await write(self.client, self.api.stream_error_event(message, code or reason, ctx))  # type: ignore[arg-type]
+        ex = self.ex
+        ex.interruption = reason
+        ex.finish(outcome, reason)
+        await write(self._client(), self.api.stream_error_event(message, code or reason,
+                                                                ex.events))
         return await self._eof()
 
     async def _eof(self) -> web.StreamResponse:
-        assert self.client is not None
+        client = self._client()
         try:
-            await self.client.write_eof()
+            await client.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError) as e:
             raise ClientGone() from e
-        return self.client
+        return client
+
+
+async def write(resp: web.StreamResponse, data: bytes) -> None:
+    try:
+        await resp.write(data)
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError) as e:
+        raise ClientGone() from e

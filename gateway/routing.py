@@ -1,63 +1,68 @@
-"""Routing: which backend replica serves a model (round-robin among replicas for now)."""
+"""Routing: the configured replicas (connection pool, health, flavour) and which of them
+serves a model (round-robin among the healthy ones)."""
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import itertools
-from typing import Callable, Collection, Iterator
+from types import SimpleNamespace
+from typing import Any, Callable, Collection, Iterator
 from urllib.parse import urlsplit
 
 import aiohttp
 from yarl import URL
 
-import backends
 from gateway import health
+from gateway.apis import provider_for
 from gateway.config import BackendConfig, BreakerPolicy
-from gateway.health import Breaker
-from gateway.context import RequestContext, now_ns
 from gateway.errors import GatewayError
+from gateway.exchange import now_ns
+from gateway.health import Breaker
 
 
-# The request whose upstream connection is being opened (set by the proxy in the request's
-# task; the connector runs in that same task).
-current_request: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar(
-    "slogate_request", default=None)
+async def _connect_start(session: aiohttp.ClientSession, trace: SimpleNamespace,
+                         params: Any) -> None:
+    if trace.trace_request_ctx is not None:
+        trace.trace_request_ctx.t_connect_start = now_ns()
 
 
-class TimedConnector(aiohttp.TCPConnector):
-    """Stamps new upstream connections on the request's timeline. Cheaper than aiohttp's
-    TraceConfig, which builds trace objects for every request; pool reuse costs nothing."""
+async def _connect_end(session: aiohttp.ClientSession, trace: SimpleNamespace,
+                       params: Any) -> None:
+    if trace.trace_request_ctx is not None:
+        trace.trace_request_ctx.t_connect_end = now_ns()
 
-    async def _create_connection(self, req, traces, timeout):  # type: ignore[override]
-        ctx = current_request.get()
-        if ctx is not None:
-            ctx.t_connect_start = now_ns()
-        proto = await super()._create_connection(req, traces, timeout)
-        if ctx is not None:
-            ctx.t_connect_end = now_ns()
-        return proto
+
+def connection_timing() -> aiohttp.TraceConfig:
+    """Stamps new upstream connections on the exchange passed as `trace_request_ctx` (aiohttp's
+    public tracing hooks; pool reuse stamps nothing)."""
+    config = aiohttp.TraceConfig()
+    config.on_connection_create_start.append(_connect_start)
+    config.on_connection_create_end.append(_connect_end)
+    config.freeze()
+    return config
 
 
 class Replica:
     """One configured backend: its config, its own connection pool and its health."""
 
     __slots__ = ("cfg", "session", "api_key", "address", "port", "breaker", "healthy",
-                 "_health_task", "_urls")
+                 "provider", "_health_task", "_urls")
 
     def __init__(self, cfg: BackendConfig, breaker: BreakerPolicy,
                  on_state: Callable[[str, int], None] = lambda name, state: None) -> None:
         self.cfg = cfg
+        self.provider = provider_for(cfg.type, cfg.provider)
         self.api_key = cfg.api_key()
         url = urlsplit(cfg.base_url)
         self.address = url.hostname or ""
         self.port = url.port or (443 if url.scheme == "https" else 80)
         self.breaker = Breaker(breaker, lambda state: on_state(cfg.name, state))
         self.healthy = True  # from active checks (always true without them)
-        self._health_task: asyncio.Task | None = None
+        self._health_task: asyncio.Task[None] | None = None
         self._urls: dict[str, URL] = {}
-        connector = TimedConnector(limit=cfg.pool_size, limit_per_host=cfg.pool_size)
+        connector = aiohttp.TCPConnector(limit=cfg.pool_size, limit_per_host=cfg.pool_size)
         self.session = aiohttp.ClientSession(
             connector=connector,
+            trace_configs=[connection_timing()],
             # No total or read timeout: streams may legitimately run for minutes. Deadlines
             # are the gateway's own business (first token, idle, total), not the pool's.
             timeout=aiohttp.ClientTimeout(total=None, connect=None,
@@ -123,7 +128,7 @@ class Router:
         return list(names)
 
     def _candidates(self, model: str, family: str) -> list[Replica]:
-        speaks = [r for r in self.replicas if backends.backend_type(r.cfg.type).FAMILY == family]
+        speaks = [r for r in self.replicas if r.provider.family == family]
         named = [r for r in speaks if model in r.cfg.models or model in r.cfg.aliases]
         return named or [r for r in speaks if r.cfg.wildcard]
 

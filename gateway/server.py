@@ -11,18 +11,18 @@ import orjson
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
-import backends
-from backends import anthropic as anthropic_api
-from backends import openai as openai_api
 from gateway import config as config_mod
-from gateway import deadlines
-from gateway.config import Config
 from gateway.admission.controller import AdmissionController
-from gateway.errors import GatewayError
+from gateway.apis import LOCAL_ROUTES, ROUTES, chat, messages
+from gateway.apis.base import Api
+from gateway.auth import AuthPolicy
+from gateway.config import Config
+from gateway.errors import SHUTDOWN, GatewayError
+from gateway.exchange import new_request_id
 from gateway.finish import Finisher
-from gateway.context import new_request_id
 from gateway.proxy import REQUEST_ID_HEADER, Proxy
 from gateway.routing import Replica, Router
+from gateway.slo import SLOPolicy
 from gateway.telemetry.otlp_metrics import OTLPMetrics
 from gateway.telemetry.prometheus import Metrics
 from gateway.telemetry.tracing import Tracing
@@ -40,12 +40,15 @@ SHARED_KEY = web.AppKey("shared_state", object)
 
 def build_app(cfg: Config, *, tracing: Tracing | None = None,
               otlp_metrics: OTLPMetrics | None = None) -> web.Application:
-    """The gateway app. `tracing`/`otlp_metrics` default to what the config and the standard
+    """The gateway app: the runtime policies (auth, SLO, router, admission) are built here from
+    the config's data. `tracing`/`otlp_metrics` default to what the config and the standard
     OTEL_* variables say (tests pass their own exporters)."""
     # The body limit is enforced by ingress (with a clear error), not by aiohttp's reader.
     app = web.Application(client_max_size=cfg.server.max_body_bytes + 1)
     app[CONFIG_KEY] = cfg
     app[DRAINING_KEY] = asyncio.Event()
+    auth = AuthPolicy(cfg.auth)
+    slo = SLOPolicy(cfg.slo)
     metrics = Metrics(cfg.slo.thresholds_s(), cfg.slo.classes, [b.name for b in cfg.backends])
     app[METRICS_KEY] = metrics
 
@@ -72,7 +75,7 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
             admission.start()
         app[SHARED_KEY] = shared
         app[ADMISSION_KEY] = admission
-        app[PROXY_KEY] = Proxy(cfg, router, finisher, admission)
+        app[PROXY_KEY] = Proxy(cfg, router, finisher, auth, slo, admission)
 
     async def cleanup(app: web.Application) -> None:
         if app.get(ADMISSION_KEY) is not None:
@@ -91,21 +94,20 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
     async def proxied(request: web.Request) -> web.StreamResponse:
         return await request.app[PROXY_KEY].handle(request)
 
-    def client_api(request: web.Request):
+    def client_api(request: web.Request) -> Api:
         """The API format of a request outside the proxied routes: Anthropic's SDK always sends
         anthropic-version; everyone else gets OpenAI's."""
-        return anthropic_api if "anthropic-version" in request.headers else openai_api
+        return messages.API if "anthropic-version" in request.headers else chat.API
 
     async def models(request: web.Request) -> web.Response:
         api = client_api(request)
         try:
-            key = cfg.auth.authenticate(request.headers)
+            key = auth.authenticate(request.headers)
         except GatewayError as e:
             return web.Response(status=e.status, content_type="application/json",
                                 body=api.error_body(e.status, e.message, e.code))
-        allowed = (lambda m: True) if key is None or "*" in key.models else key.models.__contains__
-        names = [m for m in request.app[ROUTER_KEY].models() if allowed(m)]
-        if api is anthropic_api:  # ModelInfo list, as anthropic's models.list() reads it
+        names = [m for m in request.app[ROUTER_KEY].models() if auth.allows(key, m)]
+        if api is messages.API:  # ModelInfo list, as anthropic's models.list() reads it
             data = [{"type": "model", "id": m, "display_name": m,
                      "created_at": "1970-01-01T00:00:00Z"} for m in names]
             return web.json_response({"data": data, "has_more": False,
@@ -122,10 +124,10 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
 
     async def admission_state(request: web.Request) -> web.Response:
         try:
-            cfg.auth.authenticate(request.headers)
+            auth.authenticate(request.headers)
         except GatewayError as e:
             return web.Response(status=e.status, content_type="application/json",
-                                body=openai_api.error_body(e.status, e.message, e.code))
+                                body=chat.error_body(e.status, e.message, e.code))
         ctrl = request.app[ADMISSION_KEY]
         body = ctrl.snapshot() if ctrl is not None else {"enabled": False}
         return web.json_response(body, dumps=_dumps)
@@ -148,8 +150,9 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
                                 404, f"Unknown route {request.method} {request.path}.",
                                 "unknown_route"))
 
-    for path in backends.APIS:
+    for path in ROUTES:
         app.router.add_post(path, proxied)
+
     def with_id(handler):
         """The gateway's own answers carry a request id too (proxied ones get theirs from
         the request's context)."""
@@ -160,7 +163,7 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
             return resp
         return wrapped
 
-    for path, (method, handler) in backends.LOCAL_ROUTES.items():
+    for path, (method, handler) in LOCAL_ROUTES.items():
         app.router.add_route(method, path, with_id(handler))
     app.router.add_get("/v1/models", with_id(models))
     if cfg.telemetry.prometheus:
@@ -196,7 +199,7 @@ async def drain(app: web.Application, timeout_s: float) -> None:
     if proxy.active:
         log.warning("drain: ending %d requests still in flight after %.0f s",
                     len(proxy.active), timeout_s)
-        proxy.end_all(deadlines.SHUTDOWN)
+        proxy.end_all(SHUTDOWN)
         while proxy.active:
             await asyncio.sleep(0.01)
 

@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
-from gateway.context import OK, RequestContext
-from gateway.errors import GatewayError
+from gateway.config import DEFAULT_CLASS, SLOClass, SLOConfig
+from gateway.errors import OK, GatewayError
+
+if TYPE_CHECKING:
+    from gateway.exchange import Exchange
+
+__all__ = ["DEFAULT_CLASS", "SLOClass", "SLOPolicy", "SLOTarget", "verdict"]
 
 # Closed vocabulary of verdicts.
 MET = "met"
@@ -18,15 +23,6 @@ FAILED = "failed"
 CLASS_HEADER = "x-slo-class"
 TTFT_HEADER = "x-slo-ttft-ms"
 TPOT_HEADER = "x-slo-tpot-ms"
-
-
-@dataclass(frozen=True)
-class SLOClass:
-    name: str
-    ttft_ms: float
-    tpot_ms: float
-    e2e_ms: float | None = None
-    priority: int = 0  # higher is more important (admission uses it)
 
 
 @dataclass(frozen=True)
@@ -43,25 +39,16 @@ class SLOTarget:
         return self.cls.name
 
 
-DEFAULT_CLASS = SLOClass(name="default", ttft_ms=1000.0, tpot_ms=100.0)
-
-
-@dataclass(frozen=True)
 class SLOPolicy:
-    classes: Mapping[str, SLOClass]
-    default: str
-    route_classes: Mapping[str, str]
-    # Bounds for per-request header overrides, in ms.
-    min_ms: float = 1.0
-    max_ms: float = 600_000.0
-    allow_header_overrides: bool = True
+    """Which SLO target a request is judged against, built from [slo] at start-up."""
 
-    def thresholds_s(self) -> list[float]:
-        """Every configured threshold, in seconds (they must be histogram bucket bounds)."""
-        out: set[float] = set()
-        for c in self.classes.values():
-            out.update(v / 1e3 for v in (c.ttft_ms, c.tpot_ms, c.e2e_ms) if v)
-        return sorted(out)
+    def __init__(self, cfg: SLOConfig) -> None:
+        self.cfg = cfg
+        self.classes = cfg.classes
+        self.default = cfg.default
+        self.route_classes = cfg.route_classes
+        self.min_ms, self.max_ms = cfg.min_ms, cfg.max_ms
+        self.allow_header_overrides = cfg.allow_header_overrides
 
     def target_for(self, route: str, headers: Mapping[str, str]) -> SLOTarget:
         name = self.route_classes.get(route, self.default)
@@ -93,7 +80,7 @@ class SLOPolicy:
         return ms
 
 
-def verdict(ctx: RequestContext, target: SLOTarget) -> str:
+def verdict(ctx: Exchange, target: SLOTarget) -> str:
     """A request with a single output token has no TPOT and passes that half (§9.4). A
     non-streamed answer has no first token of its own: with an e2e target it is judged on
     that alone; without one, its whole answer must arrive within the TTFT target."""

@@ -98,11 +98,12 @@ def test_example_config_is_valid() -> None:
 
 
 def test_verdicts() -> None:
-    from gateway.context import OK, RequestContext
+    from gateway.errors import OK
+    from gateway.exchange import Exchange
     from gateway.slo import SLOClass, SLOTarget, verdict
 
-    def ctx(stream: bool, ttft_ms: float, tpot_ms: float, n: int, e2e_ms: float) -> RequestContext:
-        c = RequestContext("/v1/chat/completions")
+    def ctx(stream: bool, ttft_ms: float, tpot_ms: float, n: int, e2e_ms: float) -> Exchange:
+        c = Exchange("/v1/chat/completions")
         c.stream, c.outcome = stream, OK
         t0 = c.t_received
         c.t_first_token = t0 + int(ttft_ms * 1e6)

@@ -3,22 +3,25 @@
 finish reasons come from, what ends a stream."""
 from __future__ import annotations
 
-from backends import anthropic as anthropic_api, openai as openai_api
-from backends import openai_responses
-from gateway.context import RequestContext
+from gateway.apis import chat, messages, responses
+from gateway.apis.base import Api
+from gateway.exchange import Exchange
 from gateway.sse import SSEParser
 
+anthropic_api, openai_responses = messages.API, responses.API
 
-def observe(api, route: str, stream: bytes) -> tuple[RequestContext, list[int]]:
-    """Feed the stream one event per read, stamping read i with time i+1; returns the context
+
+def observe(api: Api, route: str, stream: bytes) -> tuple[Exchange, list[int]]:
+    """Feed the stream one event per read, stamping read i with time i+1; returns the exchange
     and the stamps of the token events."""
-    ctx = RequestContext(route)
+    ctx = Exchange(route)
     ctx.stream = True
-    observer = api.StreamObserver(ctx)
     parser = SSEParser()
     for t, part in enumerate(stream.split(b"\n\n")[:-1], start=1):
         for ev in parser.feed(part + b"\n\n"):
-            assert observer.on_event(ev, t)
+            info = api.observe(ev, route)
+            assert not info.usage_only  # nothing here is dropped
+            ctx.event_seen(info, t)
     return ctx, ctx.token_ns
 
 
@@ -123,13 +126,13 @@ def test_responses_failed_and_error_events() -> None:
 
 def test_groq_whole_response_stages_come_from_usage_not_x_groq() -> None:
     # Non-streamed, Groq's timings are in `usage`; `x_groq.usage` holds cache statistics.
-    ctx = RequestContext("/openai/v1/chat/completions")
-    openai_api.observe_response(ctx, b'{"id":"c","model":"llama","choices":[{"index":0,'
+    ctx = Exchange("/openai/v1/chat/completions")
+    ctx.read_facts(chat.API.observe_response(b'{"id":"c","model":"llama","choices":[{"index":0,'
                                 b'"message":{"content":"hi"},"finish_reason":"stop"}],'
                                 b'"usage":{"queue_time":0.04,"prompt_tokens":25,"prompt_time":'
                                 b'0.003,"completion_tokens":9,"completion_time":0.021,'
                                 b'"total_time":0.024},"x_groq":{"id":"req_1","usage":'
-                                b'{"dram_cached_tokens":0,"sram_cached_tokens":16}}}')
+                                b'{"dram_cached_tokens":0,"sram_cached_tokens":16}}}'))
     assert (ctx.provider_queue_s, ctx.provider_prefill_s, ctx.provider_decode_s) == (
         0.04, 0.003, 0.021)
     assert (ctx.prompt_tokens, ctx.completion_tokens) == (25, 9)
@@ -138,11 +141,9 @@ def test_groq_whole_response_stages_come_from_usage_not_x_groq() -> None:
 def test_error_bodies_and_stream_error_events_speak_each_format() -> None:
     assert anthropic_api.error_body(529, "Busy.") == (
         b'{"type":"error","error":{"type":"overloaded_error","message":"Busy."}}')
-    assert anthropic_api.stream_error_event("Cut.", "stream_truncated") == (
+    assert anthropic_api.stream_error_event("Cut.", "stream_truncated", 0) == (
         b'event: error\ndata: {"type":"error","error":{"type":"api_error","message":"Cut."}}'
         b"\n\n")
-    ctx = RequestContext("/v1/responses")
-    ctx.events = 7
-    assert openai_responses.stream_error_event("Cut.", "stream_truncated", ctx) == (
+    assert openai_responses.stream_error_event("Cut.", "stream_truncated", 7) == (
         b'event: error\ndata: {"type":"error","code":"stream_truncated","message":"Cut.",'
         b'"param":null,"sequence_number":7}\n\n')

@@ -10,8 +10,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from backends import openai as openai_api
-from gateway.context import RequestContext
+from gateway.apis import chat, provider_for
 from provider_stack import stack
 
 MESSAGES = [{"role": "user", "content": "Which river runs through the old city?"}]
@@ -180,10 +179,9 @@ async def test_vllm_per_request_metrics_become_provider_stages() -> None:
 # -- request preparation per backend ---------------------------------------------------------------
 
 def _prepare(body: dict, backend=None, stream: bool = True) -> tuple[bool, dict, bool]:
-    ctx = RequestContext("/v1/chat/completions")
-    ctx.stream = stream
-    changed = openai_api.prepare_request(ctx, body, backend)
-    return changed, body, ctx.usage_injected
+    provider = provider_for(backend.type, backend.provider) if backend else provider_for("openai")
+    prepared = chat.API.prepare(body, chat.CHAT, stream, backend, provider)
+    return prepared.changed, body, prepared.usage_injected
 
 
 def test_usage_injection_depends_on_what_the_backend_sends_unasked() -> None:

@@ -27,7 +27,8 @@ from typing import Any
 from gateway.admission import engine_metrics
 from gateway.admission.estimator import ReplicaEstimator
 from gateway.config import AdmissionConfig
-from gateway.context import OK, RequestContext, now_ns
+from gateway.errors import OK
+from gateway.exchange import Exchange, now_ns
 from gateway.errors import GatewayError
 from gateway.routing import Replica, Router
 from gateway.telemetry.prometheus import Metrics
@@ -161,7 +162,7 @@ class Ticket:
         self._release()
         self.state = "done"
 
-    def finish(self, ctx: RequestContext) -> None:
+    def finish(self, ctx: Exchange) -> None:
         if self.state == "done":
             return
         decoding_end = self.load.decoding_now()
@@ -176,7 +177,7 @@ class Waiter:
     __slots__ = ("key", "ctx", "family", "tokens", "body_bytes", "prefix", "future",
                  "t_queued", "reason")
 
-    def __init__(self, key: tuple, ctx: RequestContext, family: str, tokens: float,
+    def __init__(self, key: tuple, ctx: Exchange, family: str, tokens: float,
                  body_bytes: int, prefix: bytes | None) -> None:
         self.key = key
         self.ctx = ctx
@@ -233,7 +234,7 @@ class AdmissionController:
 
     # -- the decision ------------------------------------------------------------------------
 
-    async def admit(self, ctx: RequestContext, family: str, body_bytes: int,
+    async def admit(self, ctx: Exchange, family: str, body_bytes: int,
                     prefix: bytes | None) -> Ticket:
         loads = [self.load_of(r) for r in self.router.replicas_for(ctx.model or "", family)]
         if not loads:
@@ -275,7 +276,7 @@ class AdmissionController:
             self.metrics.queue_wait.observe((slo.name,), (ctx.t_admitted - waiter.t_queued) / 1e9)
         return ticket
 
-    async def _try(self, ctx: RequestContext, loads: list[ReplicaLoad], tokens: float,
+    async def _try(self, ctx: Exchange, loads: list[ReplicaLoad], tokens: float,
                    body_bytes: int, prefix: bytes | None) -> tuple[Ticket | None, str]:
         """Admit now if a replica can meet both targets; else (None, why)."""
         slo = ctx.slo
@@ -324,7 +325,7 @@ class AdmissionController:
             ahead += self.shared.remote_prefill_tokens(load.replica.name)
         return ahead
 
-    def _probe(self, ctx: RequestContext, loads: list[ReplicaLoad], tokens: float,
+    def _probe(self, ctx: Exchange, loads: list[ReplicaLoad], tokens: float,
                body_bytes: int) -> Ticket | None:
         """An idle replica that the model calls too slow: send one request anyway, at most
         once per PROBE_INTERVAL_S per replica. Rejected requests teach the estimator nothing,
@@ -377,7 +378,7 @@ class AdmissionController:
                       + self.cfg.safety * est.ttft.stderr)
         return out
 
-    def _check_feasible(self, ctx: RequestContext, loads: list[ReplicaLoad], tokens: float,
+    def _check_feasible(self, ctx: Exchange, loads: list[ReplicaLoad], tokens: float,
                         why: str, ahead_tokens: float = 0.0) -> None:
         budget = ctx.slo.ttft_ms / 1e3 - (now_ns() - ctx.t_received) / 1e9
         per_replica_ahead = ahead_tokens / max(1, len(loads))
@@ -394,7 +395,7 @@ class AdmissionController:
                     for l in avail)
         return max(1.0, drain)
 
-    def _reject(self, ctx: RequestContext, reason: str, retry_after_s: float) -> None:
+    def _reject(self, ctx: Exchange, reason: str, retry_after_s: float) -> None:
         self._decided(ctx, REJECTED, reason)
         raise GatewayError(429, f"Request not admitted ({reason}): its SLO class "
                            f"'{ctx.slo.name}' (TTFT {ctx.slo.ttft_ms:g} ms, TPOT "
@@ -403,7 +404,7 @@ class AdmissionController:
                            headers={"Retry-After": str(math.ceil(retry_after_s)),
                                     "x-slogate-admission": reason})
 
-    def _decided(self, ctx: RequestContext, decision: str, reason: str) -> None:
+    def _decided(self, ctx: Exchange, decision: str, reason: str) -> None:
         ctx.admission = (decision, reason)
         self.metrics.child(self.metrics.admission, (ctx.model_label, ctx.route, ctx.slo.name,
                                                     decision, reason)).inc()
@@ -477,7 +478,7 @@ class AdmissionController:
 
     # -- learning ----------------------------------------------------------------------------
 
-    def learn(self, ticket: Ticket, ctx: RequestContext, decoding_end: float) -> None:
+    def learn(self, ticket: Ticket, ctx: Exchange, decoding_end: float) -> None:
         if ctx.outcome != OK or not ctx.t_sent:
             return
         est = ticket.load.est
@@ -511,24 +512,3 @@ class AdmissionController:
             "shared": self.shared.snapshot() if self.shared is not None else None,
             "time": time.time(),
         }
-
-
-def prefix_key(body: dict[str, Any], limit: int) -> bytes | None:
-    """What identifies a prompt's shared prefix: the system prompt (or first message) of a
-    chat, the start of a completion prompt. None when there is nothing shared to speak of."""
-    system = body.get("system")  # Anthropic
-    if system:
-        return _b(system)[:limit]
-    messages = body.get("messages") or body.get("input")
-    if isinstance(messages, list) and len(messages) > 1:
-        return _b(messages[0])[:limit]
-    prompt = body.get("prompt")
-    if isinstance(prompt, str) and len(prompt) > limit:
-        return prompt[:limit].encode()
-    return None
-
-
-def _b(value: Any) -> bytes:
-    import orjson
-
-    return value.encode() if isinstance(value, str) else orjson.dumps(value)

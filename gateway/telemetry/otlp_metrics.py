@@ -10,7 +10,8 @@ from opentelemetry.sdk.metrics.export import MetricExporter, PeriodicExportingMe
 from opentelemetry.sdk.resources import Resource
 
 from gateway.config import TelemetryConfig
-from gateway.context import OK, RequestContext
+from gateway.errors import OK
+from gateway.exchange import Exchange
 from gateway.telemetry.tracing import _protocol, otlp_endpoint
 
 DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
@@ -69,7 +70,7 @@ class OTLPMetrics:
     def enabled(self) -> bool:
         return self.provider is not None
 
-    def record(self, ctx: RequestContext, operation: str, provider: str) -> None:
+    def record(self, ctx: Exchange, operation: str, provider: str) -> None:
         attrs: dict[str, Any] = {"gen_ai.operation.name": operation,
                                  "gen_ai.provider.name": provider,
                                  "gen_ai.request.model": ctx.model_label}

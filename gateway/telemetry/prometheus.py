@@ -19,7 +19,7 @@ from prometheus_client.samples import Exemplar
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from gateway.context import RequestContext
+from gateway.exchange import Exchange
 
 # TTFT / E2E reach 600 s (reasoning models think for minutes); fine enough at the low end for
 # hosted fast engines.
@@ -195,7 +195,7 @@ class Metrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
-    def observe(self, ctx: RequestContext) -> None:
+    def observe(self, ctx: Exchange) -> None:
         """Everything about one finished request."""
         child = self.child
         base = (ctx.backend or "none", ctx.model_label, ctx.route)

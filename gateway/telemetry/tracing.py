@@ -11,6 +11,7 @@ import os
 import time
 from typing import Any, Mapping
 
+import orjson
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
@@ -21,7 +22,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from gateway.config import TelemetryConfig
-from gateway.context import OK, RequestContext
+from gateway.errors import OK
+from gateway.exchange import Exchange
 
 # Monotonic stamps → wall-clock ns for span times (the timeline is monotonic on purpose).
 _EPOCH_OFFSET = time.time_ns() - time.monotonic_ns()
@@ -99,14 +101,14 @@ class Tracing:
     def enabled(self) -> bool:
         return self.provider is not None
 
-    def start(self, ctx: RequestContext, headers: Mapping[str, str], operation: str) -> None:
+    def start(self, ctx: Exchange, headers: Mapping[str, str], operation: str) -> None:
         """The SERVER span, joining the caller's trace if it sent a valid `traceparent`."""
         parent = _PROPAGATOR.extract(headers)
         span = self.tracer.start_span(f"{operation} {ctx.model}", context=parent,
                                       kind=SpanKind.SERVER, start_time=epoch_ns(ctx.t_received))
         ctx.trace = RequestSpans(span, trace.set_span_in_context(span, parent))
 
-    def upstream_attempt(self, ctx: RequestContext, out_headers: Any, propagate: bool) -> None:
+    def upstream_attempt(self, ctx: Exchange, out_headers: Any, propagate: bool) -> None:
         """Start the CLIENT span for an upstream attempt and put its context in the upstream
         request's headers (or strip trace headers when this backend must not see them)."""
         spans = ctx.trace
@@ -123,7 +125,7 @@ class Tracing:
         if propagate:
             _PROPAGATOR.inject(out_headers, context=trace.set_span_in_context(span))
 
-    def end_attempt(self, ctx: RequestContext, result: str) -> Any:
+    def end_attempt(self, ctx: Exchange, result: str) -> Any:
         """End the current attempt's CLIENT span as failed (the next attempt is its
         sibling)."""
         spans: RequestSpans | None = ctx.trace
@@ -141,7 +143,7 @@ class Tracing:
         span.end(end_time=epoch_ns(time.monotonic_ns()))
         return span
 
-    def finish(self, ctx: RequestContext, operation: str, provider: str) -> None:
+    def finish(self, ctx: Exchange, operation: str, provider: str) -> None:
         spans: RequestSpans | None = ctx.trace
         if spans is None:
             return
@@ -191,6 +193,8 @@ class Tracing:
         if ctx.outcome != OK:
             attrs["error.type"] = ctx.error_type or ctx.outcome or "_OTHER"
             server.set_status(Status(StatusCode.ERROR, ctx.outcome))
+        if self.capture_content:
+            attrs.update(captured_content(ctx))
         server.set_attributes(attrs)
         for name, t in (("first_event", ctx.t_first_event), ("first_token", ctx.t_first_token),
                         ("first_visible", ctx.t_first_visible), ("last_token", ctx.t_last_token)):
@@ -236,7 +240,7 @@ class Tracing:
         server.end(end_time=end)
 
     @staticmethod
-    def _provider_spans(ctx: RequestContext, up_ctx: Context, child) -> None:
+    def _provider_spans(ctx: Exchange, up_ctx: Context, child) -> None:
         """Stages the provider reported, placed on our timeline: its prefill ends where we saw
         the first token, its queue ends where its prefill starts, its decode starts at the
         first token. Only what was reported; no split is invented."""
@@ -260,3 +264,21 @@ class Tracing:
     def shutdown(self) -> None:
         if self.provider is not None:
             self.provider.shutdown()
+
+
+CAPTURE_LIMIT = 16 * 1024  # characters of prompt and of output kept per span
+
+
+def captured_content(ctx: Exchange) -> dict[str, str]:
+    """Opt-in content capture (`[telemetry] capture_content`): the prompt's messages (or
+    input, prompt, system) and the output text, each cut at CAPTURE_LIMIT characters, as the
+    GenAI conventions' `gen_ai.input.messages` / `gen_ai.output.messages` attributes."""
+    out: dict[str, str] = {}
+    body = ctx.parsed
+    prompt = {k: body[k] for k in ("system", "instructions", "messages", "input", "prompt")
+              if k in body}
+    if prompt:
+        out["gen_ai.input.messages"] = orjson.dumps(prompt).decode()[:CAPTURE_LIMIT]
+    if ctx.captured_output:
+        out["gen_ai.output.messages"] = "".join(ctx.captured_output)[:CAPTURE_LIMIT]
+    return out

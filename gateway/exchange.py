@@ -1,26 +1,32 @@
-"""The per-request context: the request's facts and its timeline of monotonic-ns stamps.
+"""The Exchange (one per request: its facts and its timeline of monotonic-ns stamps) and the
+Attempt (one per upstream try).
 
-Every phase writes into it; nothing else keeps per-request state. Telemetry (the log line now,
-spans and metrics later) is produced once from the finished context, so the hot path pays only
-for integer stores.
+Every phase writes into the exchange; nothing else keeps per-request state. Telemetry (spans,
+metrics, the access log) is produced once, in `finish`, from the finished exchange, so the hot
+path pays only for integer stores. The timeline's upstream stamps (t_sent … t_last_token) are
+those of the current attempt: a failed attempt is moved to `attempts` with its own times and the
+stamps start again for the next one.
 """
 from __future__ import annotations
 
 import os
 import time
 import uuid
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from gateway.apis.base import EventInfo
+
+if TYPE_CHECKING:
+    from aiohttp import ClientResponse, web
+
+    from gateway.apis.base import Api, Provider
+    from gateway.config import Timeouts
+    from gateway.errors import AttemptFailed
+    from gateway.routing import Replica
+    from gateway.slo import SLOTarget
 
 now_ns = time.monotonic_ns
-
-# Closed vocabulary of outcomes (the log line and later the metrics use these values).
-OK = "ok"
-CLIENT_CANCELLED = "client_cancelled"
-UPSTREAM_ERROR = "upstream_error"
-UPSTREAM_TRUNCATED = "upstream_truncated"
-GATEWAY_ERROR = "gateway_error"
-TIMEOUT = "timeout"  # a deadline ended it
-REJECTED = "rejected"  # refused by the gateway before any upstream work (bad request, no backend)
 
 
 def new_request_id() -> str:
@@ -29,22 +35,34 @@ def new_request_id() -> str:
     return str(uuid.UUID(bytes=os.urandom(16), version=4))
 
 
+@dataclass(eq=False)
 class Attempt:
-    """An upstream attempt that failed before anything was committed to the client."""
+    """One upstream try: where it went, what was sent, and — once it has ended before
+    commit — how it failed."""
+    replica: Replica
+    upstream_model: str
+    timeouts: Timeouts
+    provider: Provider
+    t_sent: int = 0
+    t_end: int = 0
+    result: str = ""  # upstream_attempts_total{result} once decided
+    status: int = 0
+    span: Any = None  # its CLIENT span, ended when it failed
+    response: ClientResponse | None = field(default=None, repr=False)
 
-    __slots__ = ("backend", "t_sent", "t_end", "result", "status", "span")
+    @property
+    def backend(self) -> str:
+        return self.replica.name
 
-    def __init__(self, backend: str, t_sent: int, t_end: int, result: str, status: int,
-                 span: Any) -> None:
-        self.backend = backend
-        self.t_sent = t_sent
-        self.t_end = t_end
-        self.result = result
-        self.status = status
-        self.span = span
+    def close(self) -> None:
+        """Drop the upstream connection now (not back to the pool): the engine must see the
+        disconnect at once."""
+        if self.response is not None:
+            self.response.close()
+            self.response = None
 
 
-class RequestContext:
+class Exchange:
     __slots__ = (
         # facts
         "request_id", "route", "model", "upstream_model", "stream", "backend",
@@ -61,6 +79,9 @@ class RequestContext:
         "provider_prefill_s", "provider_decode_s", "slo", "verdict", "model_label",
         "interruption", "trace", "server_address", "server_port", "tenant",
         "admission", "t_admitted", "t_last_event", "t_dispatched", "attempts", "on_first_token",
+        # the phases' working state
+        "api", "operation", "key", "body", "parsed", "attempt", "ticket", "response",
+        "retry_budget_at", "last_failure", "captured_output",
     )
 
     def __init__(self, route: str) -> None:
@@ -107,13 +128,28 @@ class RequestContext:
         self.t_last_event = 0  # last upstream SSE event (idle deadline)
         self.t_dispatched = 0  # first upstream attempt sent (end of the gateway queue)
         self.attempts: list[Attempt] = []  # earlier upstream attempts that failed before commit
-        self.on_first_token: Any = None  # called once when the first token arrives (admission)
+        self.on_first_token: Callable[[], None] | None = None  # admission, at the first token
+        self.api: Api | None = None  # the client's API adapter (from the route table)
+        self.operation = "chat"
+        self.key: Any = None  # auth.GatewayKey, None in open mode
+        self.body = b""  # the client's request body, as received
+        self.parsed: dict[str, Any] = {}
+        self.attempt: Attempt | None = None  # the current upstream try
+        self.ticket: Any = None  # admission.controller.Ticket while admitted
+        self.response: web.StreamResponse | None = None  # the client response, once committed
+        self.retry_budget_at = 0  # no new attempt starts after this (monotonic ns)
+        self.last_failure: AttemptFailed | None = None  # of the latest failed attempt
+        self.captured_output: list[str] | None = None  # output text, content capture only
 
-    def new_attempt(self, result: str, span: Any) -> None:
+    def attempt_failed(self, result: str, span: Any) -> None:
         """Record the current attempt as failed and clear what it observed, so the next one
         starts a clean upstream timeline."""
-        self.attempts.append(Attempt(self.backend or "", self.t_sent, now_ns(), result,
-                                     self.status, span))
+        a = self.attempt
+        if a is not None:
+            a.t_sent, a.t_end, a.result, a.status, a.span = (self.t_sent, now_ns(), result,
+                                                             self.status, span)
+            self.attempts.append(a)
+            self.attempt = None
         self.t_sent = self.t_headers = self.t_first_event = self.t_first_token = 0
         self.t_first_visible = self.t_last_token = self.t_last_event = 0
         self.t_connect_start = self.t_connect_end = 0
@@ -126,7 +162,49 @@ class RequestContext:
         self.done = False
         self.error_type = None
         self.status = 0
+        self.usage_injected = False
         self.provider_queue_s = self.provider_prefill_s = self.provider_decode_s = None
+
+    # -- what the upstream said: one place stamps the timeline from an adapter's EventInfo ----
+    def event_seen(self, info: EventInfo, t: int) -> None:
+        """Stamp one upstream event observed at `t` (an API adapter's `observe` said what it
+        is; only this writes it into the timeline)."""
+        self.events += 1
+        if not self.t_first_event:
+            self.t_first_event = t
+        if info.token:
+            self.token_events += 1
+            self.token_ns.append(t)
+            self.t_last_token = t
+            if not self.t_first_token:
+                self.t_first_token = t
+            if info.visible and not self.t_first_visible:
+                self.t_first_visible = t
+        if info.has_facts:
+            self.read_facts(info)
+
+    def read_facts(self, info: EventInfo) -> None:
+        """Usage, ids, finish reasons, errors and provider timings from an event or a whole
+        response."""
+        if info.done:
+            self.done = True
+        if info.error_type is not None:
+            self.error_type = info.error_type
+        if info.response_id is not None and self.response_id is None:
+            self.response_id = info.response_id
+            self.response_model = info.response_model
+        if info.prompt_tokens is not None:
+            self.prompt_tokens = info.prompt_tokens
+        if info.completion_tokens is not None:
+            self.completion_tokens = info.completion_tokens
+            self.usage_source = "upstream"
+        if info.finish_reasons:
+            self.finish_reasons.extend(info.finish_reasons)
+        timing = info.timing
+        if timing is not None:
+            self.provider_queue_s = timing.queue_s
+            self.provider_prefill_s = timing.prefill_s
+            self.provider_decode_s = timing.decode_s
 
     # -- derived durations --------------------------------------------------------------------
     def phase(self) -> str:
@@ -219,6 +297,8 @@ class RequestContext:
         }
         if self.tenant:
             rec["tenant"] = self.tenant
+        if self.upstream_model and self.upstream_model != self.model:
+            rec["served_model"] = self.upstream_model
         if self.attempts:
             rec["attempts"] = [{"backend": a.backend, "result": a.result,
                                 "ms": round((a.t_end - a.t_sent) / 1e6, 3)} for a in self.attempts]

@@ -1,0 +1,161 @@
+"""The contract between the gateway and the modules that know a wire format.
+
+Two kinds of module live in gateway/apis/ (Envoy AI Gateway's translator interfaces are the
+model: explicit methods that return what the gateway needs, never writes into shared state):
+
+- an `Api` — one client API family (chat + completions, Responses, Anthropic Messages): the
+  routes it serves, how a request body is prepared for a backend, what one SSE event or a whole
+  response says (`observe`, a pure function returning an `EventInfo`), how to answer an error
+  in its format, and what identifies a prompt's shared prefix;
+- a `Provider` — one backend flavour (openai, anthropic, groq, cerebras, vllm): which API family
+  it speaks, how to authenticate upstream, which headers it needs by default, what it puts in
+  streams unasked, and requests the gateway answers for it locally.
+
+Only `Exchange.event_seen` / `Exchange.read_facts` turn an `EventInfo` into timeline stamps.
+Adding a provider is one module here and one line in gateway/apis/__init__.py.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
+
+import orjson
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from gateway.sse import SSEEvent
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderTiming:
+    """Stages the provider reported about itself, in seconds (None: not reported)."""
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EventInfo:
+    """What one upstream event (or a whole non-streamed response) says."""
+    token: bool = False  # carries model output (text, tool-call names/arguments, reasoning)
+    visible: bool = False  # ... and that output is user-visible text
+    done: bool = False  # the protocol's terminator: nothing more is coming
+    # The usage-only chunk (`choices: []`) that exists only if the gateway asked for usage: the
+    # relay drops it when it did.
+    usage_only: bool = False
+    error_type: str | None = None  # an in-band error (bounded string)
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None  # cumulative where the API counts cumulatively
+    response_id: str | None = None
+    response_model: str | None = None
+    finish_reasons: tuple[str, ...] = ()
+    timing: ProviderTiming | None = None
+    has_facts: bool = field(default=False, init=False)  # anything beyond token/visible
+
+    def __post_init__(self) -> None:
+        facts = (self.done or self.error_type is not None or self.prompt_tokens is not None
+                 or self.completion_tokens is not None or self.response_id is not None
+                 or bool(self.finish_reasons) or self.timing is not None)
+        object.__setattr__(self, "has_facts", facts)
+
+
+# The common answers, shared: observing an ordinary token allocates nothing.
+NOTHING = EventInfo()
+TOKEN = EventInfo(token=True)
+VISIBLE_TOKEN = EventInfo(token=True, visible=True)
+DONE = EventInfo(done=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """The upstream body decided by `Api.prepare`."""
+    changed: bool  # the body differs from the client's: serialise it again
+    usage_injected: bool = False  # the gateway asked for usage: drop the usage-only chunk
+
+
+class Api(ABC):
+    """One client API family. Instances are stateless and shared by all requests."""
+
+    family: str  # the API family its routes speak ("openai" or "anthropic")
+    # client route -> (path under the backend's base_url, gen_ai operation name)
+    routes: Mapping[str, tuple[str, str]]
+
+    def prepare(self, body: dict[str, Any], route: str, stream: bool, backend: Any,
+                provider: Provider) -> Prepared:
+        """Adjust `body` (a shallow copy of the client's) for this backend in place."""
+        return Prepared(changed=False)
+
+    @abstractmethod
+    def observe(self, event: SSEEvent, route: str) -> EventInfo:
+        """What one SSE event of a stream on `route` says. Pure: reads the event only."""
+
+    @abstractmethod
+    def observe_response(self, body: bytes) -> EventInfo:
+        """What a whole (non-streamed, successful) response body says."""
+
+    @abstractmethod
+    def error_body(self, status: int, message: str, code: str | None = None,
+                   param: str | None = None) -> bytes:
+        """The gateway's own HTTP error, in the shape this API's SDKs read."""
+
+    @abstractmethod
+    def stream_error_event(self, message: str, code: str, events_seen: int) -> bytes:
+        """An in-band error event that ends a committed stream (SDKs raise on it)."""
+
+    def prefix_key(self, body: dict[str, Any], limit: int) -> bytes | None:
+        """What identifies the prompt's shared prefix (for replica affinity), or None."""
+        return None
+
+    def output_text(self, event: SSEEvent) -> str | None:
+        """The model text in one event, for opt-in content capture only (never on the hot
+        path unless the operator asked for it)."""
+        return None
+
+
+Handler = Callable[["web.Request"], Awaitable["web.StreamResponse"]]
+
+
+@dataclass(frozen=True)
+class Provider:
+    """One backend flavour."""
+    name: str
+    family: str  # the API family it speaks
+    auth_header: str = "Authorization"  # where its key goes ("Authorization" gets "Bearer ")
+    default_headers: Mapping[str, str] = field(default_factory=dict)  # unless the client sent
+    usage_in_every_stream: bool = False  # streams carry usage unasked: never inject or strip
+    # The server sends usage whenever `stream_options` is present unless include_usage is
+    # false (vLLM's StreamOptions default).
+    usage_when_stream_options: bool = False
+    # client route -> the route it mirrors (served exactly like it; e.g. Groq's /openai/v1/...)
+    mirrored_routes: Mapping[str, str] = field(default_factory=dict)
+    # path -> (method, handler): requests the gateway answers itself for this provider's SDK
+    local_routes: Mapping[str, tuple[str, Handler]] = field(default_factory=dict)
+
+    def auth_headers(self, api_key: str) -> dict[str, str]:
+        if self.auth_header.lower() == "authorization":
+            return {"Authorization": f"Bearer {api_key}"}
+        return {self.auth_header: api_key}
+
+
+def bounded(value: Any, limit: int = 64) -> str:
+    """An upstream-chosen string as a bounded label value."""
+    return str(value)[:limit]
+
+
+def seconds(value: Any) -> float | None:
+    """A non-negative number of seconds, or None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    return None
+
+
+def json_object(data: bytes) -> dict[str, Any] | None:
+    """The JSON object in `data`, or None for anything else (not ours to judge: the client
+    decides what to do with it)."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None

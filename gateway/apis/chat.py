@@ -1,0 +1,233 @@
+"""OpenAI Chat Completions and Completions (/v1/chat/completions, /v1/completions): the API of
+vLLM, SGLang, Ollama, llama.cpp's server, OpenAI itself, Groq and Cerebras.
+
+What a token is, where usage and errors are (wire-and-telemetry.md §1.5-§1.8, §3, §4, §5.1),
+what the request must look like upstream (usage injection, field renames), and how to write an
+error in this format. Provider timings (Groq, Cerebras, vLLM) are read by their flavour modules.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from gateway.apis import cerebras, groq, vllm
+from gateway.apis.base import (DONE, NOTHING, TOKEN, VISIBLE_TOKEN, Api, EventInfo, Prepared,
+                               Provider, bounded, json_object)
+
+if TYPE_CHECKING:
+    from gateway.sse import SSEEvent
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+# `error.type` by HTTP status, as OpenAI answers.
+_STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+def error_body(status: int, message: str, code: str | None = None,
+               param: str | None = None) -> bytes:
+    """`{"error": {"message", "type", "param", "code"}}` — what the OpenAI SDKs read."""
+    return orjson.dumps({"error": {
+        "message": message,
+        "type": _STATUS_TYPES.get(status, "server_error" if status >= 500
+                                  else "invalid_request_error"),
+        "param": param,
+        "code": code,
+    }})
+
+
+def rename_max_completion_tokens(body: dict[str, Any]) -> bool:
+    """`max_completion_tokens` -> `max_tokens` (the smaller limit wins if both are set)."""
+    if "max_completion_tokens" not in body:
+        return False
+    limit = body.pop("max_completion_tokens")
+    other = body.get("max_tokens")
+    if other is None:
+        body["max_tokens"] = limit
+    elif isinstance(limit, int) and isinstance(other, int):
+        body["max_tokens"] = min(limit, other)
+    return True
+
+
+def usage_of(usage: Any) -> tuple[int | None, int | None]:
+    """(prompt_tokens, completion_tokens) of an OpenAI-style usage object."""
+    if not isinstance(usage, dict):
+        return None, None
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    return (prompt if isinstance(prompt, int) else None,
+            completion if isinstance(completion, int) else None)
+
+
+def _error_type(err: Any) -> str:
+    if isinstance(err, dict):
+        for key in ("type", "code"):
+            value = err.get(key)
+            if value not in (None, ""):
+                return bounded(value)
+    return "upstream_error"
+
+
+def _facts(obj: dict[str, Any], *, token: bool = False, visible: bool = False,
+           usage_only: bool = False, finish: tuple[str, ...] = ()) -> EventInfo:
+    """Usage, ids and provider timings of a chunk or a whole response."""
+    prompt, completion = usage_of(obj.get("usage"))
+    timing = None
+    if completion is not None or "x_groq" in obj or "time_info" in obj or "metrics" in obj:
+        found = groq.timing(obj) or cerebras.timing(obj)
+        if found is not None:
+            timing, usage = found
+            if completion is None:  # Groq's streamed usage lives in x_groq.usage
+                prompt, completion = usage_of(usage)
+        else:
+            timing = vllm.timing(obj)
+    rid = obj.get("id")
+    return EventInfo(token=token, visible=visible, usage_only=usage_only,
+                     prompt_tokens=prompt, completion_tokens=completion,
+                     response_id=str(rid) if rid is not None else None,
+                     response_model=str(obj["model"]) if obj.get("model") is not None else None,
+                     finish_reasons=finish, timing=timing)
+
+
+class ChatCompletions(Api):
+    family = "openai"
+    routes = {CHAT: ("/chat/completions", "chat"),
+              COMPLETIONS: ("/completions", "text_completion")}
+
+    def prepare(self, body: dict[str, Any], route: str, stream: bool, backend: Any,
+                provider: Provider) -> Prepared:
+        """- `max_completion_tokens` becomes `max_tokens` for a backend with
+          `rename_max_completion_tokens` (llama.cpp's server ignores the newer name).
+        - For streams we ask for usage (`stream_options.include_usage`) when the client did
+          not and the backend would not send it anyway, and strip the usage-only chunk this
+          causes, so the client sees exactly what it would have seen without the gateway."""
+        changed = False
+        if getattr(backend, "rename_max_completion_tokens", False):
+            changed = rename_max_completion_tokens(body)
+        if stream and _needs_usage_injection(body, provider):
+            opts = body.get("stream_options")
+            new_opts = dict(opts) if isinstance(opts, dict) else {}
+            new_opts["include_usage"] = True
+            body["stream_options"] = new_opts
+            return Prepared(changed=True, usage_injected=True)
+        return Prepared(changed=changed)
+
+    def observe(self, event: SSEEvent, route: str) -> EventInfo:
+        data = event.data
+        if data[:6] == b"[DONE]":
+            return DONE
+        obj = json_object(data)
+        if obj is None:
+            return NOTHING
+        err = obj.get("error")
+        if err:
+            return EventInfo(error_type=_error_type(err))
+        choices = obj.get("choices")
+        token = visible = False
+        finish: tuple[str, ...] = ()
+        if choices:
+            chat = route != COMPLETIONS
+            for choice in choices:
+                if not isinstance(choice, dict):
+                    continue
+                if chat:
+                    delta = choice.get("delta")
+                    if isinstance(delta, dict) and delta:
+                        if delta.get("content"):
+                            token = visible = True
+                        elif (delta.get("tool_calls") or delta.get("refusal")
+                              or delta.get("reasoning") or delta.get("reasoning_content")
+                              or delta.get("function_call")):
+                            token = True
+                elif choice.get("text"):
+                    token = visible = True
+                reason = choice.get("finish_reason")
+                if reason:
+                    finish += (bounded(reason),)
+            if not finish and "usage" not in obj and "x_groq" not in obj:
+                # The common chunk: one delta, nothing else to read.
+                return VISIBLE_TOKEN if visible else TOKEN if token else _first(obj)
+        usage_only = choices == [] and bool(obj.get("usage"))
+        return _facts(obj, token=token, visible=visible, usage_only=usage_only, finish=finish)
+
+    def observe_response(self, body: bytes) -> EventInfo:
+        obj = json_object(body)
+        if obj is None:
+            return NOTHING
+        finish: tuple[str, ...] = ()
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            finish = tuple(bounded(c["finish_reason"]) for c in choices
+                           if isinstance(c, dict) and c.get("finish_reason"))
+        return _facts(obj, finish=finish)
+
+    def error_body(self, status: int, message: str, code: str | None = None,
+                   param: str | None = None) -> bytes:
+        return error_body(status, message, code, param)
+
+    def stream_error_event(self, message: str, code: str, events_seen: int) -> bytes:
+        """An in-band error (§1.6): the SDK raises APIError on a data object with a top-level
+        `error`."""
+        return b"data: " + orjson.dumps({"error": {
+            "message": message, "type": "server_error", "param": None, "code": code,
+        }}) + b"\n\n"
+
+    def prefix_key(self, body: dict[str, Any], limit: int) -> bytes | None:
+        """The first message of a multi-message chat; the start of a long completion prompt."""
+        messages = body.get("messages")
+        if isinstance(messages, list) and len(messages) > 1:
+            return orjson.dumps(messages[0])[:limit]
+        prompt = body.get("prompt")
+        if isinstance(prompt, str) and len(prompt) > limit:
+            return prompt[:limit].encode()
+        return None
+
+    def output_text(self, event: SSEEvent) -> str | None:
+        obj = json_object(event.data)
+        choices = obj.get("choices") if obj else None
+        if not isinstance(choices, list):
+            return None
+        parts = []
+        for choice in choices:
+            if isinstance(choice, dict):
+                delta = choice.get("delta")
+                text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+                if isinstance(text, str):
+                    parts.append(text)
+        return "".join(parts) or None
+
+
+def _first(obj: dict[str, Any]) -> EventInfo:
+    """A chunk without output (the role chunk): it still names the response."""
+    if obj.get("id") is None:
+        return NOTHING
+    return _facts(obj)
+
+
+def _needs_usage_injection(body: dict[str, Any], provider: Provider) -> bool:
+    opts = body.get("stream_options")
+    asked = opts.get("include_usage") if isinstance(opts, dict) else None
+    if asked is True:
+        return False
+    # Groq (x_groq.usage) and Cerebras put usage in every stream unasked: asking would change
+    # nothing, and stripping what they send unasked would drop fields.
+    if provider.usage_in_every_stream:
+        return False
+    if asked is None and isinstance(opts, dict) and provider.usage_when_stream_options:
+        return False
+    return True
+
+
+API = ChatCompletions()
+PROVIDER = Provider(name="openai", family="openai")
