@@ -89,19 +89,16 @@ class Splicer:
                 elif self.capture is not None and info.token:
                     self._capture(ev)
         hold_from = parser.hold_from
-        if hold_from is None:
+        if hold_from is None:  # the read ended on an event boundary
             cut = len(buf)
+            self.partial_out = False
         else:
             cut = hold_from + base if hold_from >= 0 else 0
             if len(buf) - cut > HOLD_LIMIT:
                 cut = len(buf)
-                self.partial_out = True
+                self.partial_out = True  # no ping may go out until this event ends
         out = splice(buf, drops, cut)
-        if cut < len(buf):
-            self.pending = buf[cut:]
-        else:
-            self.pending = b""
-            self.partial_out = False
+        self.pending = buf[cut:] if cut < len(buf) else b""
         if lf_owed and out[:1] == b"\n":
             out = out[1:]
         return out

@@ -1,0 +1,87 @@
+"""The relay's pure core: whatever the upstream's chunking and line endings, the client gets
+the upstream's bytes unchanged, less exactly the usage chunk the gateway asked for, and never
+more than HOLD_LIMIT bytes of an unfinished event are held back."""
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.apis import chat, messages
+from gateway.exchange import Exchange
+from gateway.relay import HOLD_LIMIT, Splicer, splice
+
+ROLE = b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
+TOKEN = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"%d"}}]}'
+FINAL = b'data: {"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}'
+USAGE = b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4}}'
+DONE = b"data: [DONE]"
+
+
+@given(st.binary(max_size=200), st.data())
+def test_splice_is_the_bytes_outside_the_drops_up_to_the_cut(buf: bytes, data: st.DataObject) -> None:
+    points = sorted(data.draw(st.lists(st.integers(0, len(buf)), max_size=8)))
+    drops = [(a, b) for a, b in zip(points[::2], points[1::2])]
+    cut = data.draw(st.integers(points[-1] if points else 0, len(buf)))
+    keep = bytearray()
+    for i in range(cut):
+        if not any(a <= i < b for a, b in drops):
+            keep.append(buf[i])
+    assert splice(buf, drops, cut) == bytes(keep)
+
+
+def _chunks(stream: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(stream) + 1) for c in cuts} | {0, len(stream)})
+    return [stream[a:b] for a, b in zip(points, points[1:])]
+
+
+def _run(stream: bytes, cuts: list[int], injected: bool) -> tuple[bytes, Exchange]:
+    ex = Exchange(chat.CHAT)
+    ex.stream, ex.usage_injected = True, injected
+    splicer = Splicer(ex, chat.API)
+    out = b"".join(splicer.feed(chunk, t) for t, chunk in enumerate(_chunks(stream, cuts), 1))
+    return out + splicer.pending, ex
+
+
+@settings(max_examples=300, deadline=None)
+@given(n_tokens=st.integers(0, 6), eol=st.sampled_from([b"\n", b"\r\n", b"\r"]),
+       comments=st.booleans(), injected=st.booleans(),
+       cuts=st.lists(st.integers(0, 10_000), max_size=12))
+def test_any_chunking_relays_the_stream_less_exactly_the_injected_usage_chunk(
+        n_tokens: int, eol: bytes, comments: bool, injected: bool, cuts: list[int]) -> None:
+    def event(line: bytes) -> bytes:
+        return line + eol + eol
+
+    parts = [event(ROLE)] + [event(TOKEN % i) for i in range(n_tokens)] + [event(FINAL)]
+    if comments:
+        parts.insert(1, b": ping" + eol + eol)
+    usage = event(USAGE)
+    stream = b"".join(parts) + usage + event(DONE)
+    out, ex = _run(stream, cuts, injected)
+    assert out == (stream.replace(usage, b"") if injected else stream)
+    assert ex.token_events == n_tokens and ex.done
+    assert (ex.prompt_tokens, ex.completion_tokens) == (3, 4)
+
+
+@settings(max_examples=100, deadline=None)
+@given(cuts=st.lists(st.integers(0, 10_000), max_size=8))
+def test_anthropic_event_lines_pass_untouched(cuts: list[int]) -> None:
+    stream = (b'event: message_start\ndata: {"type":"message_start","message":{"id":"m",'
+              b'"model":"c","usage":{"input_tokens":5}}}\n\n'
+              b'event: ping\ndata: {"type": "ping"}\n\n'
+              b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+              b'"delta":{"type":"text_delta","text":"Hi"}}\n\n'
+              b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+    ex = Exchange("/v1/messages")
+    splicer = Splicer(ex, messages.API)
+    out = b"".join(splicer.feed(c, t) for t, c in enumerate(_chunks(stream, cuts), 1))
+    assert out == stream and ex.token_events == 1 and ex.done and ex.prompt_tokens == 5
+
+
+def test_an_unfinished_event_is_held_back_only_up_to_the_hold_limit() -> None:
+    ex = Exchange(chat.CHAT)
+    splicer = Splicer(ex, chat.API)
+    assert splicer.feed(event_start := b'data: {"choices":[', 1) == b""
+    assert splicer.pending == event_start
+    big = b"x" * (HOLD_LIMIT + 1)
+    out = splicer.feed(big, 2)
+    assert out == event_start + big and splicer.pending == b"" and splicer.partial_out
