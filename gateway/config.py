@@ -289,7 +289,7 @@ def _check_keys(where: str, table: dict[str, Any], allowed: set[str]) -> None:
             raise ConfigError(f"{where}.{key}", table[key], f"one of the keys {sorted(allowed)}")
 
 
-def _typed(where: str, table: dict[str, Any], key: str, kind: type | tuple, default: Any,
+def _typed(where: str, table: dict[str, Any], key: str, kind: type[Any], default: Any,
            expected: str) -> Any:
     if key not in table:
         return default
@@ -316,7 +316,9 @@ def _server(table: Any) -> ServerConfig:
     commit = _typed("server", table, "commit", str, d.commit, '"first_token" or "headers"')
     if commit not in ("first_token", "headers"):
         raise ConfigError("server.commit", commit, '"first_token" or "headers"')
-    seconds = lambda key, positive=False: _seconds("server", table, key, getattr(d, key), positive)
+    def seconds(key: str) -> float:
+        return _seconds("server", table, key, getattr(d, key))
+
     return ServerConfig(
         host=_typed("server", table, "host", str, d.host, "a host name or address"),
         port=port,
@@ -332,7 +334,7 @@ def _server(table: Any) -> ServerConfig:
 def _seconds(where: str, table: dict[str, Any], key: str, default: float,
              positive: bool = False) -> float:
     expected = "a positive number of seconds" if positive else "a number of seconds >= 0"
-    value = _typed(where, table, key, float, default, expected)
+    value: float = _typed(where, table, key, float, default, expected)
     if value < 0 or (positive and value == 0):
         raise ConfigError(f"{where}.{key}", value, expected)
     return value
@@ -358,7 +360,9 @@ def _retry(table: Any) -> RetryPolicy:
     if not isinstance(statuses, list) or not all(
             isinstance(c, int) and 400 <= c <= 599 for c in statuses):
         raise ConfigError("retry.statuses", statuses, "a list of HTTP status codes 400-599")
-    seconds = lambda key: _seconds("retry", table, key, getattr(d, key))
+    def seconds(key: str) -> float:
+        return _seconds("retry", table, key, getattr(d, key))
+
     budget = seconds("budget_s")  # 0: twice the request's backend's first-token deadline
     return RetryPolicy(max_attempts=attempts, backoff_base_s=seconds("backoff_base_s"),
                        backoff_max_s=seconds("backoff_max_s"),
@@ -384,14 +388,15 @@ def _admission(table: Any) -> AdmissionConfig:
     d = AdmissionConfig()
 
     def count(key: str, low: int = 1) -> int:
-        value = _typed("admission", table, key, int, getattr(d, key), f"an integer >= {low}")
+        value: int = _typed("admission", table, key, int, getattr(d, key),
+                            f"an integer >= {low}")
         if value < low:
             raise ConfigError(f"admission.{key}", value, f"an integer >= {low}")
         return value
 
     def fraction(key: str, low: float, high: float) -> float:
-        value = _typed("admission", table, key, float, getattr(d, key),
-                       f"a number in ({low}, {high}]")
+        value: float = _typed("admission", table, key, float, getattr(d, key),
+                              f"a number in ({low}, {high}]")
         if not low < value <= high:
             raise ConfigError(f"admission.{key}", value, f"a number in ({low}, {high}]")
         return value
@@ -443,7 +448,8 @@ def _backend(i: int, table: Any, default_timeouts: Timeouts) -> BackendConfig:
         raise ConfigError(f"{where}.type", btype, f"one of {list(BACKEND_TYPES)}")
     base_url = table.get("base_url")
     parts = urlsplit(base_url) if isinstance(base_url, str) else None
-    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+    if (not isinstance(base_url, str) or parts is None or parts.scheme not in ("http", "https")
+            or not parts.hostname):
         raise ConfigError(f"{where}.base_url", base_url,
                           "an http(s) URL such as http://127.0.0.1:8000/v1")
     models = table.get("models", ["*"])
@@ -488,7 +494,8 @@ def _backend(i: int, table: Any, default_timeouts: Timeouts) -> BackendConfig:
 
 
 def _health_path(where: str, table: dict[str, Any]) -> str:
-    path = _typed(where, table, "health_path", str, "", 'a path such as "/health", or empty')
+    path: str = _typed(where, table, "health_path", str, "",
+                       'a path such as "/health", or empty')
     if path and not path.startswith("/"):
         raise ConfigError(f"{where}.health_path", path, 'a path such as "/health", or empty')
     return path
@@ -548,7 +555,10 @@ def _telemetry(table: Any) -> TelemetryConfig:
     if interval <= 0:
         raise ConfigError("telemetry.metrics_export_interval_s", interval,
                           "a positive number of seconds")
-    flag = lambda key: _typed("telemetry", table, key, bool, getattr(d, key), "true or false")
+    def flag(key: str) -> bool:
+        value: bool = _typed("telemetry", table, key, bool, getattr(d, key), "true or false")
+        return value
+
     return TelemetryConfig(
         otlp_endpoint=endpoint, otlp_protocol=protocol,
         service_name=_typed("telemetry", table, "service_name", str, d.service_name,
@@ -562,7 +572,7 @@ def _telemetry(table: Any) -> TelemetryConfig:
 
 
 def _ratio(where: str, table: dict[str, Any], key: str, default: float) -> float:
-    value = _typed(where, table, key, float, default, "a number from 0 to 1")
+    value: float = _typed(where, table, key, float, default, "a number from 0 to 1")
     if not 0 <= value <= 1:
         raise ConfigError(f"{where}.{key}", value, "a number from 0 to 1")
     return value
@@ -573,7 +583,7 @@ def _positive_ms(where: str, table: dict[str, Any], key: str, required: bool) ->
         if required:
             raise ConfigError(f"{where}.{key}", None, "a positive number of milliseconds")
         return None
-    value = _typed(where, table, key, float, None, "a positive number of milliseconds")
+    value: float = _typed(where, table, key, float, None, "a positive number of milliseconds")
     if value <= 0:
         raise ConfigError(f"{where}.{key}", value, "a positive number of milliseconds")
     return value

@@ -334,7 +334,7 @@ class Proxy:
         if up.status != 200 or not ex.stream or not ctype.startswith("text/event-stream"):
             return await self._whole(ex, up, api, extra)
         headers_out = client_response_headers(up.headers, event_stream=True, extra=extra)
-        capture = [] if self._capturing(ex) else None
+        capture: list[str] | None = [] if self._capturing(ex) else None
         ex.captured_output = capture
         return await Relay(request, ex, up, api, headers_out,
                            hold_until_first_token=self.hold_until_first_token,

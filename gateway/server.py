@@ -6,6 +6,7 @@ import gc
 import logging
 import signal
 import sys
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -14,7 +15,7 @@ from prometheus_client.exposition import choose_encoder
 from gateway import config as config_mod
 from gateway.admission.controller import AdmissionController
 from gateway.apis import LOCAL_ROUTES, ROUTES, chat, messages
-from gateway.apis.base import Api
+from gateway.apis.base import Api, Handler
 from gateway.auth import AuthPolicy
 from gateway.config import Config
 from gateway.errors import SHUTDOWN, GatewayError
@@ -34,7 +35,7 @@ PROXY_KEY = web.AppKey("proxy", Proxy)
 METRICS_KEY = web.AppKey("metrics", Metrics)
 FINISHER_KEY = web.AppKey("finisher", Finisher)
 DRAINING_KEY = web.AppKey("draining", asyncio.Event)
-ADMISSION_KEY = web.AppKey("admission", object)
+ADMISSION_KEY: web.AppKey[AdmissionController | None] = web.AppKey("admission")
 SHARED_KEY = web.AppKey("shared_state", object)
 
 
@@ -78,10 +79,12 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
         app[PROXY_KEY] = Proxy(cfg, router, finisher, auth, slo, admission)
 
     async def cleanup(app: web.Application) -> None:
-        if app.get(ADMISSION_KEY) is not None:
-            await app[ADMISSION_KEY].close()
-        if app.get(SHARED_KEY) is not None:
-            await app[SHARED_KEY].close()
+        admission = app.get(ADMISSION_KEY)
+        if admission is not None:
+            await admission.close()
+        shared = app.get(SHARED_KEY)
+        if shared is not None:
+            await shared.close()  # type: ignore[attr-defined]
         await app[ROUTER_KEY].close()
         finisher = app[FINISHER_KEY]
         # Shutdown flushes over the network and blocks: keep it off the event loop.
@@ -108,8 +111,8 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
                                 body=api.error_body(e.status, e.message, e.code))
         names = [m for m in request.app[ROUTER_KEY].models() if auth.allows(key, m)]
         if api is messages.API:  # ModelInfo list, as anthropic's models.list() reads it
-            data = [{"type": "model", "id": m, "display_name": m,
-                     "created_at": "1970-01-01T00:00:00Z"} for m in names]
+            data: list[dict[str, Any]] = [{"type": "model", "id": m, "display_name": m,
+                                           "created_at": "1970-01-01T00:00:00Z"} for m in names]
             return web.json_response({"data": data, "has_more": False,
                                       "first_id": names[0] if names else None,
                                       "last_id": names[-1] if names else None}, dumps=_dumps)
@@ -153,7 +156,7 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
     for path in ROUTES:
         app.router.add_post(path, proxied)
 
-    def with_id(handler):
+    def with_id(handler: Handler) -> Handler:
         """The gateway's own answers carry a request id too (proxied ones get theirs from
         the request's context)."""
         async def wrapped(request: web.Request) -> web.StreamResponse:

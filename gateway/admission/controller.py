@@ -177,7 +177,7 @@ class Waiter:
     __slots__ = ("key", "ctx", "family", "tokens", "body_bytes", "prefix", "future",
                  "t_queued", "reason")
 
-    def __init__(self, key: tuple, ctx: Exchange, family: str, tokens: float,
+    def __init__(self, key: tuple[int, int, int], ctx: Exchange, family: str, tokens: float,
                  body_bytes: int, prefix: bytes | None) -> None:
         self.key = key
         self.ctx = ctx
@@ -208,7 +208,7 @@ class AdmissionController:
         self._seq = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
         self._waking = False
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
         """Background work: scraping engines' own load when configured."""
@@ -348,7 +348,7 @@ class AdmissionController:
         overload, so their last chance comes before the more important ones' next."""
         slo = waiter.ctx.slo
         left_s = (waiter.key[1] - now_ns()) / 1e9
-        return left_s < URGENT * slo.ttft_ms / 1e3
+        return bool(left_s < URGENT * slo.ttft_ms / 1e3)
 
     def _higher_priority_waiting(self, priority: int) -> bool:
         return any(w.key[0] < -priority and not w.future.done() for w in self.queue)

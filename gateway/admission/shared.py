@@ -172,8 +172,8 @@ class SharedState:
         self._epoch = itertools.count()
         self.epoch = next(self._epoch)
         self._ctrl: Any = None
-        self._task: asyncio.Task | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
         self._sem = asyncio.Semaphore(MAX_CALLS)
         self.r = aioredis.from_url(
@@ -273,7 +273,7 @@ class SharedState:
         self.rejects += 1
         return False
 
-    def _abandoned(self, backend: str, call: asyncio.Future, epoch: int) -> None:
+    def _abandoned(self, backend: str, call: asyncio.Future[Any], epoch: int) -> None:
         if call.cancelled():
             return
         e = call.exception()
@@ -307,8 +307,8 @@ class SharedState:
         token for (as of their last publish, at most lease_s/3 old)."""
         if self.state != REDIS:
             return 0.0
-        return sum(w.get("replicas", {}).get(backend, {}).get("prefill_tokens", 0.0)
-                   for w in self.remote_work.values())
+        return float(sum(w.get("replicas", {}).get(backend, {}).get("prefill_tokens", 0.0)
+                         for w in self.remote_work.values()))
 
     def snapshot(self) -> dict[str, Any]:
         return {

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.samples import Exemplar
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -43,10 +43,11 @@ class Histogram(Collector):
         self.labelnames = tuple(labelnames)
         self.bounds = tuple(sorted(set(buckets)))
         self._bounds_ns = tuple(int(b * 1e9) for b in self.bounds)
-        self._le = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
-        self._series: dict[tuple[str, ...], list] = {}  # labels -> [counts, sum]
+        self._le = [floatToGoString(b) for b in self.bounds] + ["+Inf"]  # type: ignore[no-untyped-call]
+        # labels -> [bucket counts, sum, {bucket index: Exemplar}]
+        self._series: dict[tuple[str, ...], list[Any]] = {}
 
-    def _get(self, labels: tuple[str, ...]) -> list:
+    def _get(self, labels: tuple[str, ...]) -> list[Any]:
         s = self._series.get(labels)
         if s is None:
             # [bucket counts, sum, {bucket index: Exemplar}]
@@ -74,7 +75,7 @@ class Histogram(Collector):
             prev = t
         s[1] += (stamps[-1] - stamps[0]) / 1e9
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         fam = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
         for labels, (counts, total, exemplars) in list(self._series.items()):
             cum, buckets = 0, []
@@ -85,7 +86,7 @@ class Histogram(Collector):
             fam.add_metric(list(labels), buckets, total)
         yield fam
 
-    def describe(self):
+    def describe(self) -> Iterator[Metric]:
         yield HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
 
 
@@ -186,7 +187,7 @@ class Metrics:
         for name in backend_names:
             self.breaker.labels(name).set(0)
 
-    def child(self, metric, labels: tuple[str, ...]):
+    def child(self, metric: Any, labels: tuple[str, ...]) -> Any:
         """metric.labels(*labels), cached: prometheus_client's lookup costs a lock and a
         label check per call, and every request makes a dozen."""
         key = (id(metric), labels)

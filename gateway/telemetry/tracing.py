@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import orjson
 from opentelemetry import trace
@@ -43,8 +43,9 @@ def otlp_endpoint(cfg: TelemetryConfig, signal: str) -> str | None:
     specific = os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT")
     if specific:
         return specific
-    base = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    if base:
+    generic = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if generic:
+        base = generic
         proto = os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", cfg.otlp_protocol)
         return base.rstrip("/") if proto == "grpc" else f"{base.rstrip('/')}/v1/{signal}"
     return None
@@ -240,7 +241,8 @@ class Tracing:
         server.end(end_time=end)
 
     @staticmethod
-    def _provider_spans(ctx: Exchange, up_ctx: Context, child) -> None:
+    def _provider_spans(ctx: Exchange, up_ctx: Context,
+                        child: Callable[[str, Context, int, int, dict[str, Any]], None]) -> None:
         """Stages the provider reported, placed on our timeline: its prefill ends where we saw
         the first token, its queue ends where its prefill starts, its decode starts at the
         first token. Only what was reported; no split is invented."""
