@@ -14,9 +14,11 @@ from prometheus_client.exposition import choose_encoder
 import backends
 from backends import anthropic as anthropic_api
 from backends import openai as openai_api
+import gateway
 from gateway import config as config_mod
 from gateway import deadlines
 from gateway.config import Config
+from gateway.console import Console, ConsoleRecorder
 from gateway.admission.controller import AdmissionController
 from gateway.errors import GatewayError
 from gateway.finish import Finisher
@@ -36,6 +38,7 @@ FINISHER_KEY = web.AppKey("finisher", Finisher)
 DRAINING_KEY = web.AppKey("draining", asyncio.Event)
 ADMISSION_KEY = web.AppKey("admission", object)
 SHARED_KEY = web.AppKey("shared_state", object)
+CONSOLE_KEY = web.AppKey("console", Console)
 
 
 def build_app(cfg: Config, *, tracing: Tracing | None = None,
@@ -48,6 +51,11 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
     app[DRAINING_KEY] = asyncio.Event()
     metrics = Metrics(cfg.slo.thresholds_s(), cfg.slo.classes, [b.name for b in cfg.backends])
     app[METRICS_KEY] = metrics
+    # The live console (GET /console): fed by the finisher, reads the running gateway's state.
+    recorder = ConsoleRecorder(cfg.slo.classes.values())
+    console = app[CONSOLE_KEY] = Console(recorder, lambda: (
+        app.get(ROUTER_KEY), app.get(PROXY_KEY), app.get(ADMISSION_KEY)), gateway.version())
+    console.add_routes(app)
 
     async def startup(app: web.Application) -> None:
         replicas = [Replica(b, cfg.breaker, lambda name, st: metrics.breaker.labels(name).set(st))
@@ -57,7 +65,8 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
         router = Router(replicas)
         app[ROUTER_KEY] = router
         finisher = Finisher(metrics, tracing or Tracing(cfg.telemetry),
-                            otlp_metrics or OTLPMetrics(cfg.telemetry), cfg.telemetry.prometheus)
+                            otlp_metrics or OTLPMetrics(cfg.telemetry), cfg.telemetry.prometheus,
+                            console=recorder)
         app[FINISHER_KEY] = finisher
         admission = shared = None
         if cfg.admission.enabled:
