@@ -28,6 +28,7 @@ from gateway.deadlines import Watchdog
 from gateway.errors import GatewayError
 from gateway.finish import Finisher
 from gateway.headers import client_response_headers, upstream_request_headers
+from gateway.netdiag import describe_connect_error
 from gateway.relay import AttemptFailed, ClientGone, Relay, before_commit_failure
 from gateway.routing import Replica, Router, current_request
 from gateway.telemetry.prometheus import Metrics
@@ -295,7 +296,8 @@ class Proxy:
             up = await replica.session.post(url, data=data, headers=headers, **post_kw)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise AttemptFailed("connect_error", 502, f"Backend '{replica.name}' is unreachable: "
-                                f"{type(e).__name__}.", "upstream_unreachable") from None
+                                f"{describe_connect_error(e, replica.address, replica.port)}.",
+                                "upstream_unreachable") from None
         state["up"] = up
         ctx.t_headers = now_ns()
         ctx.status = up.status

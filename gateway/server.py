@@ -19,6 +19,7 @@ from gateway import config as config_mod
 from gateway import deadlines
 from gateway.config import Config
 from gateway.console import Console, ConsoleRecorder
+from gateway.netdiag import describe_listen_error
 from gateway.admission.controller import AdmissionController
 from gateway.errors import GatewayError
 from gateway.finish import Finisher
@@ -177,8 +178,31 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
     app.router.add_get("/admin/admission", with_id(admission_state))
     app.router.add_get("/healthz", with_id(healthz))
     app.router.add_get("/readyz", with_id(readyz))
+    _answer_wrong_methods(app, client_api)
     app.router.add_route("*", "/v1/{tail:.*}", with_id(not_found))
     return app
+
+
+def _answer_wrong_methods(app: web.Application, client_api) -> None:
+    """A known path asked with a method it does not serve: 405 with `Allow`, in the API's
+    error format (not the catch-all's 404 "Unknown route")."""
+    allowed: dict[str, set[str]] = {}
+    for route in app.router.routes():
+        info = route.resource.get_info() if route.resource is not None else {}
+        path = info.get("path")
+        if path is not None and route.method != "*":
+            allowed.setdefault(path, set()).add(route.method)
+    for path, methods in allowed.items():
+        allow = ", ".join(sorted(methods))
+
+        async def wrong_method(request: web.Request, allow: str = allow) -> web.Response:
+            return web.Response(status=405, content_type="application/json",
+                                headers={"Allow": allow, REQUEST_ID_HEADER: new_request_id()},
+                                body=client_api(request).error_body(
+                                    405, f"Method {request.method} is not allowed on "
+                                    f"{request.path}; allowed: {allow}.", "method_not_allowed"))
+
+        app.router.add_route("*", path, wrong_method)
 
 
 def _dumps(obj: object) -> str:
@@ -218,7 +242,11 @@ async def serve(cfg: Config, host: str, port: int) -> None:
                            shutdown_timeout=cfg.server.drain_timeout_s + 5)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:  # one line for the user, and no unclosed upstream sessions
+        await runner.cleanup()
+        raise ListenError(describe_listen_error(e, host, port)) from None
     # Everything allocated so far lives for the process; keep the collector off it, and
     # collect the young generation less often (the relay allocates a little per read).
     gc.freeze()
@@ -240,6 +268,10 @@ async def serve(cfg: Config, host: str, port: int) -> None:
     log.info("stopped")
 
 
+class ListenError(Exception):
+    """The listening socket could not be opened (the message says where and why)."""
+
+
 def run(config_path: str, host: str | None = None, port: int | None = None) -> int:
     setup_logging()
     try:
@@ -249,5 +281,9 @@ def run(config_path: str, host: str | None = None, port: int | None = None) -> i
         return 2
     if not cfg.server.access_log:
         logging.getLogger("slogate.access").setLevel(logging.WARNING)
-    asyncio.run(serve(cfg, host or cfg.server.host, cfg.server.port if port is None else port))
+    try:
+        asyncio.run(serve(cfg, host or cfg.server.host, cfg.server.port if port is None else port))
+    except ListenError as e:
+        print(f"slogate: {e}", file=sys.stderr)
+        return 2
     return 0
