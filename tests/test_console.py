@@ -189,3 +189,32 @@ async def test_console_page_assets_and_pushed_snapshots() -> None:
             assert time.monotonic() - t0 < 3.5  # at least once a second
             assert seen[-1]["requests_total"] == 1
             assert seen[-1]["slowest"][0]["stages"][-1]["stage"] == "decode"
+
+
+async def test_snapshot_shows_the_admission_queue_and_predicted_ttft() -> None:
+    async with serve_app(build_sim(SimConfig(decode_base_ms=2))) as sim_url:
+        cfg = config.parse({"auth": {"mode": "open"}, "server": {"access_log": False},
+                            "admission": {"enabled": True, "max_concurrency": 1},
+                            "backends": [{"name": "sim", "base_url": sim_url + "/v1",
+                                          "models": ["m"]}]}, env={})
+        async with serve_app(build_app(cfg)) as gw, aiohttp.ClientSession() as s:
+            body = {"model": "m", "stream": True, "max_tokens": 30,
+                    "messages": [{"role": "user", "content": "hi"}]}
+            posts = [asyncio.create_task(s.post(gw + "/v1/chat/completions", json=body,
+                                                headers={"x-sim-token-delay-ms": "20"}))
+                     for _ in range(4)]
+            deadline = time.monotonic() + 10
+            while True:  # one admitted (the cap), three waiting for admission
+                async with s.get(gw + "/console/state") as r:
+                    state = await r.json()
+                if state["admission"]["queued"] == 3:
+                    break
+                assert time.monotonic() < deadline, state["admission"]
+                await asyncio.sleep(0.02)
+            for p in posts:
+                resp = await p
+                await resp.read()
+    assert state["admission"]["enabled"] and state["admission"]["by_class"] == {"default": 3}
+    assert state["admission"]["by_tenant"] == {"(no key)": 3}
+    sim = state["backends"][0]
+    assert sim["in_flight"] == 1 and sim["predicted_ttft_ms"] > 0 and sim["cap"] == 1
