@@ -12,8 +12,9 @@ times a second). Memory is bounded whatever the rate:
 * recent requests: a ring of `recent_size` rows, sampled to about `recent_per_s` a second
   when the gateway serves more than that.
 
-At 1,000 requests/s that is a few hundred KiB and well under a microsecond of work per
-request beyond the dict lookup and two `log` calls.
+At 1,000 requests/s that is a few hundred KiB, and `record` costs a few microseconds per
+request (2.7 µs measured on a shared 2-core CI machine); a snapshot ~10 ms, at most twice a
+second whatever the number of open tabs.
 """
 from __future__ import annotations
 

@@ -150,8 +150,8 @@ class Console:
                     await asyncio.wait_for(self.closing.wait(), PUSH_INTERVAL_S)
                 except asyncio.TimeoutError:
                     pass
-        except (ConnectionResetError, asyncio.CancelledError):
-            pass  # the tab was closed
+        except ConnectionResetError:
+            pass  # the tab was closed (with handler cancellation, the task is cancelled)
         return resp
 
     async def _on_shutdown(self, app: web.Application) -> None:
