@@ -8,6 +8,7 @@
 #   cmake, g++, gcc           building llama.cpp's server for the real-engine test
 #   chromium, chromium-driver the live console's browser test (Selenium drives Debian's
 #                             chromium through its matching chromedriver)
+#   fonts-dejavu-core         a font for that headless chromium (its fonts are only recommended)
 # Idempotent and quick when everything is present.
 set -euo pipefail
 need=()
@@ -24,6 +25,7 @@ have node || need+=(nodejs)
 have npm || need+=(npm)
 have chromium || need+=(chromium)
 have chromedriver || need+=(chromium-driver)
+[ -e /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need+=(fonts-dejavu-core)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi
