@@ -45,7 +45,11 @@ serve: $(STAMP)
 	$(VENV)/bin/slogate serve --config gateway/examples/sim.toml
 
 sim: $(STAMP)
-	$(VENV)/bin/slogate sim
+	$(VENV)/bin/slogate sim --served-model-name sim-llama-8b
 
+# Everything the targets above create in the tree (caches outside it, such as the llama.cpp
+# wheel in ~/.cache/slogate, are kept: they make the next `make test` fast).
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis bench-results
+	rm -rf $(VENV) .pytest_cache .hypothesis bench-results build dist *.egg-info \
+		dashboards/schema-check/node_modules
+	find . -path ./.git -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,12 +1,39 @@
-"""The `slogate` command: `serve` runs the gateway, `demo` runs it in front of the simulator
-with a short load, `hash-key` hashes a gateway key. Packages add subcommands through the
-`slogate.commands` entry point group (the simulator's `sim` comes from backends/sim that way).
-"""
+"""The `slogate` command: `serve` runs the gateway, `check` validates a config, `sim` runs the
+built-in engine simulator, `demo` runs both with a short load, `hash-key` hashes a gateway key.
+Subcommands that live outside the gateway package (the simulator's `sim`) come through the
+`slogate.commands` entry point group: the gateway imports nothing from backends/."""
 from __future__ import annotations
 
 import argparse
 import sys
 from importlib.metadata import entry_points
+
+SERVE_DESCRIPTION = """\
+Run the gateway. Apps point their OpenAI / Anthropic / Groq / Cerebras SDK at it.
+
+The config is one TOML file: [server] (listen address, commit policy, body limit, drain),
+[auth] (gateway keys or "open"), one [[backends]] table per engine replica or hosted API
+(type, base_url, models, api_key_env), and optionally [timeouts], [retry], [breaker],
+[fallbacks], [admission], [telemetry], [[slo_classes]] and [slo]. Examples, one per provider
+family, are in gateway/examples/ (start from sim.toml or production.toml).
+
+Every key can be overridden from the environment, applied before validation:
+  SLOGATE_<SECTION>_<KEY>=value         e.g. SLOGATE_SERVER_PORT=9000
+  SLOGATE_BACKEND_<NAME>_<KEY>=value    e.g. SLOGATE_BACKEND_VLLM_A_BASE_URL=http://10.0.0.5:8000/v1
+(names upper-cased, "-" -> "_"; values parse as TOML values, else strings). Upstream keys
+never live in the file: a backend's api_key_env names the variable that holds its key.
+An unknown SLOGATE_* variable is warned about at start.
+
+`slogate check --config FILE` prints the resolved config (overrides applied, secrets as ***)
+without serving. The live console is at http://HOST:PORT/console once it runs."""
+
+HASH_KEY_DESCRIPTION = """\
+Read one gateway key from standard input (one line; the trailing newline is dropped) and
+print its sha256, the value [[auth.keys]] sha256 wants. The key never appears on the command
+line or in the shell history:
+  printf %s "$KEY" | slogate hash-key
+  slogate hash-key < key.txt
+On a terminal it asks for the key without echoing it."""
 
 
 def _install_uvloop() -> None:
@@ -18,16 +45,28 @@ def _install_uvloop() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="slogate", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    import gateway
 
-    serve = sub.add_parser("serve", help="run the gateway")
+    parser = argparse.ArgumentParser(prog="slogate", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"slogate {gateway.version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    raw = argparse.RawDescriptionHelpFormatter
+
+    serve = sub.add_parser("serve", help="run the gateway", description=SERVE_DESCRIPTION,
+                           formatter_class=raw)
     serve.add_argument("--config", required=True, help="TOML config file")
     serve.add_argument("--host", help="listen address (overrides [server].host)")
     serve.add_argument("--port", type=int, help="listen port (overrides [server].port)")
 
+    check = sub.add_parser("check", help="validate a config and print it resolved",
+                           description="Validate a config file as `serve` would (environment "
+                           "overrides applied) and print the resolved config, secrets as ***. "
+                           "Exit status 0 when valid, 2 on an error.")
+    check.add_argument("--config", required=True, help="TOML config file")
+
     sub.add_parser("hash-key", help="print the sha256 of a gateway key read from stdin "
-                   "(for [[auth.keys]] sha256)")
+                   "(for [[auth.keys]] sha256)", description=HASH_KEY_DESCRIPTION,
+                   formatter_class=raw)
 
     demo = sub.add_parser("demo", help="simulator + gateway + a short load, then keep serving")
     demo.add_argument("--duration", type=float, help="exit after this many seconds")
@@ -40,21 +79,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _hash_key() -> int:
+    from gateway.auth import hash_key
+
+    if sys.stdin.isatty():
+        import getpass
+
+        key = getpass.getpass("gateway key (not echoed): ").strip()
+    else:
+        key = sys.stdin.readline().strip()
+    if not key:
+        print("slogate hash-key: no key on stdin (try: printf %s \"$KEY\" | slogate hash-key)",
+              file=sys.stderr)
+        return 2
+    print(hash_key(key))
+    return 0
+
+
+def _plugin(args: argparse.Namespace) -> int:
+    """A subcommand from the entry point group; a port it cannot listen on is one line."""
+    from gateway.netdiag import describe_listen_error
+
+    try:
+        return int(args.run(args))
+    except OSError as e:
+        host, port = getattr(args, "host", "?"), getattr(args, "port", "?")
+        print(f"slogate: {describe_listen_error(e, host, port)}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _install_uvloop()
-    run = getattr(args, "run", None)
-    if run is not None:  # a subcommand from the entry point group
-        return int(run(args))
-    if args.command == "hash-key":
-        from gateway.auth import hash_key
+    if args.command == "check":
+        from gateway import check
 
-        key = sys.stdin.readline().strip()
-        if not key:
-            print("slogate hash-key: no key on stdin", file=sys.stderr)
-            return 2
-        print(hash_key(key))
-        return 0
+        return check.run(args.config)
+    if args.command == "hash-key":
+        return _hash_key()
+    _install_uvloop()
+    if getattr(args, "run", None) is not None:
+        return _plugin(args)
     if args.command == "demo":
         from gateway import demo
 

@@ -12,6 +12,8 @@ upstream key (`api_key_env`).
 """
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -25,6 +27,13 @@ __all__ = ["ConfigError", "Config", "load", "parse"]
 
 BACKEND_TYPES = tuple(PROVIDERS)
 OTLP_PROTOCOLS = ("http/protobuf", "grpc")
+
+
+log = logging.getLogger("slogate.config")
+
+# SLOGATE_* variables read by something other than the config (test and tooling knobs): not
+# warned about as unknown.
+OTHER_ENV = frozenset({"SLOGATE_MODEL_CACHE", "SLOGATE_KEEP_LLAMACPP_LOG"})
 
 
 @dataclass(frozen=True)
@@ -215,7 +224,26 @@ def load(path: str, env: Mapping[str, str] | None = None) -> Config:
 
 
 def parse(raw: dict[str, Any], env: Mapping[str, str] | None = None) -> Config:
-    raw = _apply_env(raw, env or {})
+    origins: dict[str, str] = {}  # config key -> "VARIABLE=value" it came from
+    raw = _apply_env(raw, env or {}, origins)
+    try:
+        return _parse(raw)
+    except ConfigError as e:
+        source = _origin(e.key, origins)
+        if source is None or e.source:
+            raise
+        raise ConfigError(e.key, e.value, e.expected, source) from None
+
+
+def _origin(key: str, origins: Mapping[str, str]) -> str | None:
+    """The environment variable behind a config key (or behind the table holding it)."""
+    for k, source in origins.items():
+        if key == k or key.startswith(k + ".") or key.startswith(k + "["):
+            return source
+    return None
+
+
+def _parse(raw: dict[str, Any]) -> Config:
     sections = {"server", "backends", "auth", "timeouts", "retry", "breaker", "fallbacks",
                 "admission", "telemetry", "slo", "slo_classes"}
     unknown = set(raw) - sections
@@ -237,7 +265,7 @@ def parse(raw: dict[str, Any], env: Mapping[str, str] | None = None) -> Config:
     auth = _auth(raw.get("auth"))
     retry = _retry(raw.get("retry", {}))
     breaker = _breaker(raw.get("breaker", {}))
-    fallbacks = _fallbacks(raw.get("fallbacks", {}))
+    fallbacks = _fallbacks(raw.get("fallbacks", {}), backends)
     admission = _admission(raw.get("admission", {}))
     return Config(server=server, backends=backends, auth=auth, retry=retry, breaker=breaker,
                   fallbacks=fallbacks, admission=admission, telemetry=telemetry, slo=slo)
@@ -254,32 +282,69 @@ def _env_name(name: str) -> str:
     return name.upper().replace("-", "_")
 
 
-def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+# The keys each overridable section takes (for "did you mean" on unknown variables).
+_ENV_SECTIONS: dict[str, tuple[str, ...]] = {
+    "server": tuple(ServerConfig.__dataclass_fields__),
+    "telemetry": tuple(TelemetryConfig.__dataclass_fields__),
+    "slo": ("default", "route_classes", "allow_header_overrides", "min_ms", "max_ms"),
+    "auth": ("mode",),
+    "timeouts": tuple(Timeouts.__dataclass_fields__),
+    "retry": tuple(RetryPolicy.__dataclass_fields__),
+    "breaker": tuple(BreakerPolicy.__dataclass_fields__),
+    "admission": tuple(AdmissionConfig.__dataclass_fields__),
+}
+
+
+def _apply_env(raw: dict[str, Any], env: Mapping[str, str],
+               origins: dict[str, str] | None = None) -> dict[str, Any]:
+    """Apply SLOGATE_* overrides; `origins` gets config key -> "VARIABLE=value". A SLOGATE_*
+    variable that overrides nothing is warned about (a typo must not pass silently)."""
+    origins = {} if origins is None else origins
+    used: set[str] = set()
     raw = dict(raw)
-    for section in ("server", "telemetry", "slo", "auth", "timeouts", "retry", "breaker",
-                    "admission"):
+    for section in _ENV_SECTIONS:
         table = dict(raw.get(section, {})) if isinstance(raw.get(section, {}), dict) else None
         if table is None:
             continue
         prefix = f"SLOGATE_{section.upper()}_"
         for key, value in env.items():
             if key.startswith(prefix):
-                table[key[len(prefix):].lower()] = _toml_value(value)
+                name = key[len(prefix):].lower()
+                table[name] = _toml_value(value)
+                origins[f"{section}.{name}"] = f"{key}={value}"
+                used.add(key)
         if table:
             raw[section] = table
+    backend_keys: list[str] = []
     if isinstance(raw.get("backends"), list):
         backends = [dict(b) if isinstance(b, dict) else b for b in raw["backends"]]
-        prefixes = sorted(((f"SLOGATE_BACKEND_{_env_name(b['name'])}_", b) for b in backends
+        prefixes = sorted(((f"SLOGATE_BACKEND_{_env_name(b['name'])}_", i, b)
+                           for i, b in enumerate(backends)
                            if isinstance(b, dict) and isinstance(b.get("name"), str)),
                           key=lambda pb: -len(pb[0]))
         for key, value in env.items():
             # The longest matching name wins: SLOGATE_BACKEND_VLLM_A_BASE_URL is backend
             # "vllm-a"'s base_url, not backend "vllm"'s "a_base_url".
-            for prefix, b in prefixes:
+            for prefix, i, b in prefixes:
                 if key.startswith(prefix):
-                    b[key[len(prefix):].lower()] = _toml_value(value)
+                    name = key[len(prefix):].lower()
+                    b[name] = _toml_value(value)
+                    origins[f"backends[{i}].{name}"] = f"{key}={value}"
+                    used.add(key)
                     break
         raw["backends"] = backends
+        backend_keys = [p + k.upper() for p, _, _ in prefixes
+                        for k in BackendConfig.__dataclass_fields__]
+    for key in sorted(env):
+        if key.startswith("SLOGATE_") and key not in used and key not in OTHER_ENV:
+            known = [f"SLOGATE_{s.upper()}_{k.upper()}" for s, ks in _ENV_SECTIONS.items()
+                     for k in ks] + backend_keys
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+            hint = (f"did you mean {close[0]}?" if close else
+                    "overrides are SLOGATE_<SECTION>_<KEY> (sections: "
+                    f"{', '.join(_ENV_SECTIONS)}) or SLOGATE_BACKEND_<NAME>_<KEY>")
+            log.warning("environment variable %s overrides nothing and is ignored; %s",
+                        key, hint)
     return raw
 
 
@@ -427,11 +492,22 @@ def _admission(table: Any) -> AdmissionConfig:
     )
 
 
-def _fallbacks(table: Any) -> dict[str, tuple[str, ...]]:
+def _fallbacks(table: Any,
+               backends: tuple[BackendConfig, ...] = ()) -> dict[str, tuple[str, ...]]:
     if not isinstance(table, dict) or not all(
             isinstance(v, list) and all(isinstance(m, str) and m for m in v)
             for v in table.values()):
         raise ConfigError("fallbacks", table, 'a table of model = ["fallback model", ...]')
+    if backends and not any(b.wildcard for b in backends):
+        # Every model named must be one a backend serves (by name or alias): a typo here
+        # would only show the day every replica fails.
+        served = {m for b in backends for m in (*b.models, *b.aliases)}
+        for model, chain in table.items():
+            for name in (model, *chain):
+                if name not in served:
+                    raise ConfigError(f"fallbacks.{model}", name,
+                                      "a model served by a backend (by name or alias): "
+                                      + ", ".join(sorted(served)))
     return {k: tuple(v) for k, v in table.items()}
 
 

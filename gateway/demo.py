@@ -100,12 +100,14 @@ async def _one_request(client, rng: random.Random) -> dict[str, Any] | None:
     return rec
 
 
-async def drive_load(base_url: str, seconds: float, concurrency: int) -> list[dict[str, Any]]:
+async def drive_load(base_url: str, seconds: float, concurrency: int,
+                     progress: bool = False) -> list[dict[str, Any]]:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url, api_key="demo-key", max_retries=0)
     results: list[dict[str, Any]] = []
-    stop = time.monotonic() + seconds
+    start = time.monotonic()
+    stop = start + seconds
 
     async def worker(i: int) -> None:
         rng = random.Random(i)
@@ -114,9 +116,38 @@ async def drive_load(base_url: str, seconds: float, concurrency: int) -> list[di
             if rec:
                 results.append(rec)
 
-    await asyncio.gather(*(worker(i) for i in range(concurrency)))
-    await client.close()
+    reporter = asyncio.create_task(_progress(results, start, seconds)) if progress else None
+    try:
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    finally:
+        if reporter is not None:
+            reporter.cancel()
+        await client.close()
+    if progress:
+        _progress_line(results, start, seconds, final=True)
     return results
+
+
+def _progress_line(results: list[dict[str, Any]], start: float, seconds: float,
+                   final: bool = False) -> None:
+    """One status line: rewritten in place on a terminal, a new line every few seconds
+    otherwise (logs, CI)."""
+    elapsed = min(seconds, time.monotonic() - start)
+    ttfts = [r["ttft"] for r in results[-200:]]
+    ttft = f" · TTFT p50 {_pct(ttfts, .5):.0f} ms p99 {_pct(ttfts, .99):.0f} ms" if ttfts else ""
+    line = (f"  load {elapsed:4.0f}/{seconds:.0f} s · {len(results)} requests · "
+            f"{len(results) / max(elapsed, 1e-3):.1f} req/s{ttft}")
+    if sys.stdout.isatty():
+        print("\r" + line.ljust(79), end="\n" if final else "", flush=True)
+    else:
+        print(line, flush=True)
+
+
+async def _progress(results: list[dict[str, Any]], start: float, seconds: float) -> None:
+    interval = 0.5 if sys.stdout.isatty() else 2.0
+    while True:
+        await asyncio.sleep(interval)
+        _progress_line(results, start, seconds)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -140,10 +171,13 @@ def render_table(client: list[dict[str, Any]], gateway: dict[str, dict[str, Any]
 async def main(duration: float | None, port: int, sim_port: int, concurrency: int) -> int:
     started = time.monotonic()
     port, sim_port = _pick_port(port), _pick_port(sim_port)
+    print(f"slogate demo: live console at http://127.0.0.1:{port}/console "
+          "(open it in a browser now)", flush=True)
     env = dict(os.environ, SLOGATE_SERVER_PORT=str(port),
                SLOGATE_BACKEND_SIM_BASE_URL=f"http://127.0.0.1:{sim_port}/v1")
     py = sys.executable
-    sim = subprocess.Popen([py, "-m", "gateway", "sim", "--port", str(sim_port)],
+    sim = subprocess.Popen([py, "-m", "gateway", "sim", "--port", str(sim_port),
+                            "--served-model-name", "sim-llama-8b"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     gw = await asyncio.create_subprocess_exec(
         py, "-m", "gateway", "serve", "--config", str(EXAMPLE_CONFIG), env=env,
@@ -157,11 +191,12 @@ async def main(duration: float | None, port: int, sim_port: int, concurrency: in
         load_s = 10.0 if duration is None else max(2.0, min(10.0, duration / 2))
         print(f"slogate demo: simulator on :{sim_port}, gateway on :{port}; "
               f"{concurrency} openai-SDK clients streaming for {load_s:.0f} s ...", flush=True)
-        results = await drive_load(base, load_s, concurrency)
+        results = await drive_load(base, load_s, concurrency, progress=True)
         await asyncio.sleep(0.3)  # let the last log lines arrive
         print(f"\n{len(results)} streamed requests through the gateway:\n")
         print(render_table(results, log.records))
         print(f"\nPoint your app at it:  OpenAI(base_url=\"{base}\", api_key=\"any\")")
+        print(f"Live console:          http://127.0.0.1:{port}/console")
         if duration is None:
             print("Serving until Ctrl-C.", flush=True)
             stop = asyncio.Event()

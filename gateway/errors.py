@@ -86,11 +86,15 @@ class ClientGone(Exception):
 
 
 class ConfigError(Exception):
-    """A config problem: names the key, the bad value and what was expected."""
+    """A config problem: names the key, the bad value and what was expected; when the value
+    came from the environment, `source` names the variable (`SLOGATE_SERVER_PORT=eighty`)."""
 
-    def __init__(self, key: str, value: Any, expected: str) -> None:
-        self.key, self.value, self.expected = key, value, expected
-        super().__init__(f"config error: {key} = {value!r}: expected {expected}")
+    def __init__(self, key: str, value: Any, expected: str, source: str | None = None) -> None:
+        self.key, self.value, self.expected, self.source = key, value, expected, source
+        if source:
+            super().__init__(f"config error: {source} ({key}): expected {expected}")
+        else:
+            super().__init__(f"config error: {key} = {value!r}: expected {expected}")
 
 
 def deadline_failure(reason: str) -> AttemptFailed:

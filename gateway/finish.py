@@ -3,6 +3,7 @@ metrics, spans, OTLP metrics and the JSON access-log line."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import orjson
 
@@ -18,7 +19,8 @@ access_log = logging.getLogger("slogate.access")
 
 class Finisher:
     def __init__(self, metrics: Metrics, tracing: Tracing, otlp: OTLPMetrics,
-                 prometheus: bool = True) -> None:
+                 prometheus: bool = True, console: Any = None) -> None:
+        self.console = console  # console.ConsoleRecorder, or None
         self.metrics = metrics
         self.prometheus = prometheus
         self.tracing = tracing
@@ -41,5 +43,7 @@ class Finisher:
             self.tracing.finish(ctx, operation, provider)
         if self.otlp.enabled:
             self.otlp.record(ctx, operation, provider)
+        if self.console is not None:
+            self.console.record(ctx)
         if access_log.isEnabledFor(logging.INFO):
             access_log.info(orjson.dumps(ctx.log_record()).decode())

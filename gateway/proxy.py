@@ -29,6 +29,7 @@ from gateway.errors import (ATTEMPT_OK, CLIENT_CANCELLED, CONNECT_ERROR, GATEWAY
                             deadline_failure)
 from gateway.exchange import Attempt, Exchange, now_ns
 from gateway.headers import client_response_headers, upstream_request_headers
+from gateway.netdiag import describe_connect_error
 from gateway.relay import Relay
 
 if TYPE_CHECKING:
@@ -315,7 +316,8 @@ class Proxy:
                                             trace_request_ctx=ex, **post_kw)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise AttemptFailed(CONNECT_ERROR, 502, f"Backend '{replica.name}' is unreachable: "
-                                f"{type(e).__name__}.", "upstream_unreachable") from None
+                                f"{describe_connect_error(e, replica.address, replica.port)}.",
+                                "upstream_unreachable") from None
         attempt.response = up
         ex.t_headers = now_ns()
         ex.status = up.status

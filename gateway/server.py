@@ -6,13 +6,16 @@ import gc
 import logging
 import signal
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
+import gateway
 from gateway import config as config_mod
+from gateway.console import Console, ConsoleRecorder
+from gateway.netdiag import describe_listen_error
 from gateway.admission.controller import AdmissionController
 from gateway.apis import LOCAL_ROUTES, ROUTES, chat, messages
 from gateway.apis.base import Api, Handler
@@ -37,6 +40,7 @@ FINISHER_KEY = web.AppKey("finisher", Finisher)
 DRAINING_KEY = web.AppKey("draining", asyncio.Event)
 ADMISSION_KEY: web.AppKey[AdmissionController | None] = web.AppKey("admission")
 SHARED_KEY = web.AppKey("shared_state", object)
+CONSOLE_KEY = web.AppKey("console", Console)
 
 
 def build_app(cfg: Config, *, tracing: Tracing | None = None,
@@ -52,6 +56,11 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
     slo = SLOPolicy(cfg.slo)
     metrics = Metrics(cfg.slo.thresholds_s(), cfg.slo.classes, [b.name for b in cfg.backends])
     app[METRICS_KEY] = metrics
+    # The live console (GET /console): fed by the finisher, reads the running gateway's state.
+    recorder = ConsoleRecorder(cfg.slo.classes.values())
+    console = app[CONSOLE_KEY] = Console(recorder, lambda: (
+        app.get(ROUTER_KEY), app.get(PROXY_KEY), app.get(ADMISSION_KEY)), gateway.version())
+    console.add_routes(app)
 
     async def startup(app: web.Application) -> None:
         replicas = [Replica(b, cfg.breaker, lambda name, st: metrics.breaker.labels(name).set(st))
@@ -61,7 +70,8 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
         router = Router(replicas)
         app[ROUTER_KEY] = router
         finisher = Finisher(metrics, tracing or Tracing(cfg.telemetry),
-                            otlp_metrics or OTLPMetrics(cfg.telemetry), cfg.telemetry.prometheus)
+                            otlp_metrics or OTLPMetrics(cfg.telemetry), cfg.telemetry.prometheus,
+                            console=recorder)
         app[FINISHER_KEY] = finisher
         admission = shared = None
         if cfg.admission.enabled:
@@ -174,8 +184,32 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
     app.router.add_get("/admin/admission", with_id(admission_state))
     app.router.add_get("/healthz", with_id(healthz))
     app.router.add_get("/readyz", with_id(readyz))
+    _answer_wrong_methods(app, client_api)
     app.router.add_route("*", "/v1/{tail:.*}", with_id(not_found))
     return app
+
+
+def _answer_wrong_methods(app: web.Application,
+                          client_api: Callable[[web.Request], Api]) -> None:
+    """A known path asked with a method it does not serve: 405 with `Allow`, in the API's
+    error format (not the catch-all's 404 "Unknown route")."""
+    allowed: dict[str, set[str]] = {}
+    for route in app.router.routes():
+        info = route.resource.get_info() if route.resource is not None else {}
+        path = info.get("path")
+        if path is not None and route.method != "*":
+            allowed.setdefault(path, set()).add(route.method)
+    for path, methods in allowed.items():
+        allow = ", ".join(sorted(methods))
+
+        async def wrong_method(request: web.Request, allow: str = allow) -> web.Response:
+            return web.Response(status=405, content_type="application/json",
+                                headers={"Allow": allow, REQUEST_ID_HEADER: new_request_id()},
+                                body=client_api(request).error_body(
+                                    405, f"Method {request.method} is not allowed on "
+                                    f"{request.path}; allowed: {allow}.", "method_not_allowed"))
+
+        app.router.add_route("*", path, wrong_method)
 
 
 def _dumps(obj: object) -> str:
@@ -215,7 +249,11 @@ async def serve(cfg: Config, host: str, port: int) -> None:
                            shutdown_timeout=cfg.server.drain_timeout_s + 5)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:  # one line for the user, and no unclosed upstream sessions
+        await runner.cleanup()
+        raise ListenError(describe_listen_error(e, host, port)) from None
     # Everything allocated so far lives for the process; keep the collector off it, and
     # collect the young generation less often (the relay allocates a little per read).
     gc.freeze()
@@ -237,6 +275,10 @@ async def serve(cfg: Config, host: str, port: int) -> None:
     log.info("stopped")
 
 
+class ListenError(Exception):
+    """The listening socket could not be opened (the message says where and why)."""
+
+
 def run(config_path: str, host: str | None = None, port: int | None = None) -> int:
     setup_logging()
     try:
@@ -246,5 +288,9 @@ def run(config_path: str, host: str | None = None, port: int | None = None) -> i
         return 2
     if not cfg.server.access_log:
         logging.getLogger("slogate.access").setLevel(logging.WARNING)
-    asyncio.run(serve(cfg, host or cfg.server.host, cfg.server.port if port is None else port))
+    try:
+        asyncio.run(serve(cfg, host or cfg.server.host, cfg.server.port if port is None else port))
+    except ListenError as e:
+        print(f"slogate: {e}", file=sys.stderr)
+        return 2
     return 0

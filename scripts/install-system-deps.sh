@@ -6,6 +6,9 @@
 #   redis-server              shared admission state across gateway processes
 #   docker-compose            `docker-compose config` validation of the stack (no engine needed)
 #   cmake, g++, gcc           building llama.cpp's server for the real-engine test
+#   chromium, chromium-driver the live console's browser test (Selenium drives Debian's
+#                             chromium through its matching chromedriver)
+#   fonts-dejavu-core         a font for that headless chromium (its fonts are only recommended)
 # Idempotent and quick when everything is present.
 set -euo pipefail
 need=()
@@ -20,6 +23,9 @@ have g++ || need+=(g++)
 have gcc || need+=(gcc)
 have node || need+=(nodejs)
 have npm || need+=(npm)
+have chromium || need+=(chromium)
+have chromedriver || need+=(chromium-driver)
+[ -e /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need+=(fonts-dejavu-core)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

@@ -58,11 +58,12 @@ def run(cfg: SimConfig, host: str, port: int) -> None:
     """Serve the simulator until interrupted (blocking)."""
     app = build_app(cfg)
 
-    def _print(msg: str) -> None:  # run_app prints its own banner; we print one line
-        pass
-
     shown = "[" + host + "]" if ":" in host else host
-    print(f"slogate sim: serving {', '.join(cfg.served_model_names)} on http://{shown}:{port}", flush=True)
+
+    def _print(msg: str) -> None:  # run_app's banner (once listening): ours, in one line
+        print(f"slogate sim: serving {', '.join(cfg.served_model_names)} on http://{shown}:{port}",
+              flush=True)
+
     web.run_app(app, host=host, port=port, handler_cancellation=True, access_log=None, print=_print)
 
 

@@ -1,0 +1,128 @@
+"""`slogate check --config FILE`: validate a config as `serve` would and print it resolved —
+environment overrides applied, defaults filled in, secrets as `***`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import sys
+from typing import Any, Mapping
+from urllib.parse import urlsplit, urlunsplit
+
+SECRET_KEYS = {"sha256", "api_key", "password", "secret", "token"}
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_BARE = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _mask_url(value: str) -> str:
+    try:
+        parts = urlsplit(value)
+    except ValueError:
+        return value
+    if parts.password is None and parts.username is None:
+        return value
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"***@{host}"))
+
+
+def plain(obj: Any, key: str = "") -> Any:
+    """The config as plain data (dicts, lists, scalars), secrets masked."""
+    if key in SECRET_KEYS and obj:
+        return "***"
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: plain(getattr(obj, f.name), f.name) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        if obj and all(isinstance(k, str) and _HEX64.match(k) for k in obj):
+            return [plain(v) for v in obj.values()]  # keyed by a secret's hash: list them
+        return {str(k): plain(v, str(k)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [plain(v) for v in obj]
+    if isinstance(obj, str) and "://" in obj:
+        return _mask_url(obj)
+    return obj
+
+
+def _key(k: str) -> str:
+    return k if _BARE.match(k) else json.dumps(k)
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return repr(v)
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)
+    if isinstance(v, list):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{_key(k)} = {_value(x)}" for k, x in v.items()
+                                if x is not None) + " }" if v else "{}"
+    return json.dumps(str(v))
+
+
+def _table(lines: list[str], name: str, table: dict[str, Any], header: str) -> None:
+    lines.append("")
+    lines.append(header)
+    for k, v in table.items():
+        if v is None:
+            lines.append(f"# {_key(k)} = (not set)")
+            continue
+        line = f"{_key(k)} = {_value(v)}"
+        if k == "api_key_env" and isinstance(v, str):
+            line += "  # " + ("set in the environment" if os.environ.get(v)
+                              else "NOT set in the environment")
+        lines.append(line)
+
+
+def to_toml(data: dict[str, Any]) -> str:
+    lines = ["# slogate: resolved config (environment overrides applied, defaults filled in, "
+             "secrets as ***)"]
+    for section, value in data.items():
+        if isinstance(value, dict):
+            subtables = {k: v for k, v in value.items()
+                         if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)
+                         or isinstance(v, dict) and v and all(isinstance(x, dict)
+                                                               for x in v.values())}
+            flat = {k: v for k, v in value.items() if k not in subtables}
+            _table(lines, section, flat, f"[{_key(section)}]")
+            for k, v in subtables.items():
+                items = v if isinstance(v, list) else list(v.values())
+                for item in items:
+                    _table(lines, k, item, f"[[{_key(section)}.{_key(k)}]]")
+        elif isinstance(value, list) and all(isinstance(x, dict) for x in value):
+            for item in value:
+                _table(lines, section, item, f"[[{_key(section)}]]")
+        else:
+            lines.append(f"{_key(section)} = {_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def run(path: str) -> int:
+    from gateway import config as config_mod
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("slogate: warning: %(message)s"))
+    log = logging.getLogger("slogate.config")
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        cfg = config_mod.load(path)
+    except config_mod.ConfigError as e:
+        print(f"slogate: {e}", file=sys.stderr)
+        return 2
+    finally:
+        log.removeHandler(handler)
+    sys.stdout.write(to_toml(plain(cfg)))
+    print(f"slogate: {path}: config OK ({len(cfg.backends)} backend"
+          f"{'s' if len(cfg.backends) != 1 else ''})", file=sys.stderr)
+    return 0

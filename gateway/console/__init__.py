@@ -1,0 +1,10 @@
+"""The built-in live console: `GET /console` in a browser, no Grafana needed.
+
+`ConsoleRecorder` keeps a bounded window of finished requests (fed by `Finisher.finish`);
+`Console` serves the page (assets in `static/`, shipped in the package: no build step, no CDN)
+and pushes a snapshot once a second over SSE.
+"""
+from gateway.console.recorder import ConsoleRecorder, stages
+from gateway.console.web import Console, live_state
+
+__all__ = ["Console", "ConsoleRecorder", "live_state", "stages"]
