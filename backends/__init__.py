@@ -10,8 +10,9 @@ Adding a provider is adding a module here and registering it below.
 """
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from types import ModuleType
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from backends import anthropic, cerebras, groq, openai, openai_responses
 

@@ -67,7 +67,7 @@ class AnthropicStream:
         self.words = WORDS_JSON
 
     def opening(self, role_first: bool) -> bytes:
-        message = {"id": self.rid, "type": "message", "role": "assistant", "model": self.model,
+        message: dict[str, Any] = {"id": self.rid, "type": "message", "role": "assistant", "model": self.model,
                    "content": [], "stop_reason": None, "stop_sequence": None,
                    "usage": {**_usage(self.seq), "output_tokens": 1}}
         return event("message_start", {"type": "message_start", "message": message}) + PING
@@ -88,6 +88,7 @@ class AnthropicStream:
         out = self._close_block()
         self.block += 1
         index = self.block
+        block: dict[str, Any]
         if i < self.out.reasoning:
             kind, block, delta = "thinking", {"type": "thinking", "thinking": "", "signature": ""}, "thinking_delta"
         elif self.out.tool is None:

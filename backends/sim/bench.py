@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 import aiohttp
 
@@ -75,7 +76,7 @@ async def _steps(session: aiohttp.ClientSession, url: str) -> float:
         return float("nan")
 
 
-async def _level(url: str, streams: int, tokens: int, seconds: float, pid: int | None, step_ms: float) -> dict:
+async def _level(url: str, streams: int, tokens: int, seconds: float, pid: int | None, step_ms: float) -> dict[str, Any]:
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as session:
         await _client(session, url, 5, 0, _Window(0, time.perf_counter() + 0.001))  # warm-up

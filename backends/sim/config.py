@@ -111,7 +111,7 @@ class SimConfig:
              "served_model_names", "a non-empty list of names")
 
 
-KNOBS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(SimConfig)}
+KNOBS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(SimConfig)}
 
 
 def coerce(name: str, value: Any) -> Any:

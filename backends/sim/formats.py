@@ -217,6 +217,9 @@ class _OpenAIStream:
 
     __slots__ = ("head", "out", "rid")
     ping = PING
+    head: bytes  # set by each subclass's __init__
+    out: Output
+    rid: str
 
     def _closing(self, seq: Any, include_usage: bool, choice: bytes) -> bytes:
         """The finish chunk (`choice` is its choices entry), the usage chunk, [DONE].

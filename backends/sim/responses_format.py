@@ -15,8 +15,15 @@ from typing import Any
 
 import orjson
 
-from .formats import (ARGS_CLOSE, ARGS_OPEN, WORDS_ARG_JSON, WORDS_JSON, Output, detokenize,
-                      tool_arguments)
+from .formats import (
+    ARGS_CLOSE,
+    ARGS_OPEN,
+    WORDS_ARG_JSON,
+    WORDS_JSON,
+    Output,
+    detokenize,
+    tool_arguments,
+)
 
 
 def _suffix(rid: str) -> str:
@@ -26,6 +33,7 @@ def _suffix(rid: str) -> str:
 def _item(kind: str, rid: str, out: Output, text: str, done: bool) -> dict[str, Any]:
     """An output item, in progress (empty) or done (with its text)."""
     status = "completed" if done else "in_progress"
+    content: list[dict[str, Any]]
     if kind == "reasoning":
         content = [{"type": "reasoning_text", "text": text}] if done else []
         return {"id": "rs_" + _suffix(rid), "type": "reasoning", "summary": [], "content": content,

@@ -267,8 +267,9 @@ def _first_tool(body: dict[str, Any], api: str) -> str | None:
         if not isinstance(t, dict):
             raise BadRequest("'tools' must be a list of objects", "tools")
         fn = t.get("function") if api == "chat" else t
-        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-            return fn["name"]
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if isinstance(name, str):
+            return name
     return None
 
 
@@ -464,13 +465,12 @@ class StreamSink:
     def end(self, seq: Seq) -> None:
         self.stop_ping()
         o = seq.outcome
-        if o == STOP or o == LENGTH:
+        if o in (STOP, LENGTH):
             self.write(self.fmt.finish(seq, self.include_usage))
         elif o == ERROR:
             self.write(self.fmt.error(seq.error_message, 500))
-        elif o == CUT:
-            if self.buf is None and self.transport is not None:
-                self.transport.close()  # flushes what was written, then FIN: no terminator
+        elif o == CUT and self.buf is None and self.transport is not None:
+            self.transport.close()  # flushes what was written, then FIN: no terminator
 
     # keep-alive comments while no token flows
     def start_ping(self, interval_s: float) -> None:
@@ -629,7 +629,7 @@ async def _stream(request: web.Request, sim: SimState, seq: Seq, p: Parsed, f: F
         if f.ping_ms:
             sink.start_ping(f.ping_ms / 1000.0)
         outcome = await done
-        if outcome == CUT or outcome == CANCELLED:
+        if outcome in (CUT, CANCELLED):
             # connection closed (by us, or the client is gone): aiohttp cancels us shortly
             if request.transport is not None:
                 request.transport.close()
