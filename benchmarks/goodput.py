@@ -91,7 +91,14 @@ if str(REPO) not in sys.path:  # run as a script: make `benchmarks` importable
 
 from benchmarks import overhead as harness  # noqa: E402  (process management, placement)
 from benchmarks.overhead import (  # noqa: E402
-    Procs, cpu_model, fmt_cpus, free_port, gateway_config, git_rev, parse_cpus, run_json_process,
+    Procs,
+    cpu_model,
+    fmt_cpus,
+    free_port,
+    gateway_config,
+    git_rev,
+    parse_cpus,
+    run_json_process,
     wait_http,
 )
 
@@ -936,7 +943,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "meta": {
             "benchmark": "goodput",
-            "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "git": git_rev(), "window_s": window, "warmup_s": warmup, "tail_cap_s": tail_cap,
             "loads": loads, "seed": args.seed, "probe_fraction": args.probe_fraction,
             "sim": sim_knobs, "classes": {n: list(v) for n, v in CLASSES.items()},
@@ -946,7 +953,7 @@ def main(argv: list[str] | None = None) -> int:
             "admission_extra": args.admission_extra, "placement": placement,
             "sim_cmd": sim_argv, "gateway_cmd": gw_argv,
             "host": {"cpus": os.cpu_count(), "allowed_cpus": allowed, "cpu_model": cpu_model(),
-                     "loadavg_start": " ".join(open("/proc/loadavg").read().split()[:3]),
+                     "loadavg_start": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
                      "python": platform.python_version()},
         },
         "points": [],
@@ -1059,7 +1066,7 @@ def main(argv: list[str] | None = None) -> int:
         elif not ok:
             print(f"process logs kept in {tmp}", file=sys.stderr)
 
-    results["meta"]["finished"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    results["meta"]["finished"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     results["meta"]["elapsed_s"] = time.monotonic() - t_start
     if set(modes) == set(MODES):
         results["verdict"] = verdict(results)

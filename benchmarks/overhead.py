@@ -335,10 +335,8 @@ def _preexec(cpus: set[int] | None):
         if nice:
             os.nice(nice)
         # Die with the benchmark even if it is killed hard (PR_SET_PDEATHSIG).
-        try:
+        with contextlib.suppress(OSError):  # pragma: no cover - non-glibc
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-        except OSError:  # pragma: no cover - non-glibc
-            pass
         if cpus:
             os.sched_setaffinity(0, cpus)
     return fn
@@ -353,10 +351,10 @@ class Procs:
 
     def start(self, name: str, argv: list[str], cpus: set[int] | None,
               env: dict[str, str] | None = None) -> subprocess.Popen:
-        log = open(self.logdir / f"{name}.log", "ab")
-        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             cwd=REPO, env=env, preexec_fn=_preexec(cpus))
-        log.close()
+        with open(self.logdir / f"{name}.log", "ab") as log:  # the child keeps its own copy
+            p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, cwd=REPO, env=env,
+                                 preexec_fn=_preexec(cpus))
         self.procs.append((name, p))
         return p
 
@@ -629,10 +627,11 @@ def render(results: dict[str, Any]) -> str:
             r = pt[path]
             c = r["cpu"]
 
-            def pc(name: str) -> str:
+            def pc(name: str, c: dict[str, Any] = c) -> str:
                 u = c.get(name, {}).get("util")
                 w = c.get(name, {}).get("runq_wait_frac")
-                return ("–" if u is None else f"{u * 100:.0f}") + ("" if w is None else f" [{w * 100:.0f}]")
+                return (("–" if u is None else f"{u * 100:.0f}")
+                        + ("" if w is None else f" [{w * 100:.0f}]"))
             g = c.get("gateway", {})
             sys_share = (f", {g['sys_s'] / g['cpu_s'] * 100:.0f}% sys"
                          if path == "gateway" and g.get("cpu_s") else "")
@@ -706,7 +705,7 @@ def git_rev() -> str | None:
 
 def cpu_model() -> str:
     with contextlib.suppress(OSError):
-        for line in open("/proc/cpuinfo"):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or "?"
@@ -799,7 +798,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "meta": {
             "benchmark": "overhead",
-            "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "git": git_rev(),
             "tokens": args.tokens, "token_ms": args.token_ms,
             "duration_s": args.duration, "warmup_s": args.warmup, "streams": streams,
@@ -807,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
             "telemetry": args.telemetry or "unset",
             "sim_cmd": sim_argv, "gateway_cmd": gw_argv,
             "host": {"cpus": os.cpu_count(), "allowed_cpus": allowed, "cpu_model": cpu_model(),
-                     "loadavg_start": " ".join(open("/proc/loadavg").read().split()[:3]),
+                     "loadavg_start": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
                      "python": platform.python_version(), "kernel": platform.release()},
             "method": "closed loop, one client process (aiohttp+uvloop) per point/path; TTFT to "
                       "first non-empty delta.content event; CPU from /proc/PID/stat",
@@ -888,7 +887,7 @@ def main(argv: list[str] | None = None) -> int:
         elif not ok:
             print(f"process logs kept in {tmp}", file=sys.stderr)
 
-    results["meta"]["finished"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    results["meta"]["finished"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
@@ -923,7 +922,8 @@ def profile_point(args, procs: Procs, tmp: Path, spec: dict[str, Any],
                 "--format", fmt_name, "-o", str(dest), *native]
         holder: dict[str, subprocess.Popen] = {}
 
-        def during() -> None:
+        def during(holder: dict[str, subprocess.Popen] = holder, fmt_name: str = fmt_name,
+                   argv: list[str] = argv) -> None:
             time.sleep(spec["warmup"])
             holder["p"] = procs.start(f"py-spy-{fmt_name}", argv, client_cpus)
 

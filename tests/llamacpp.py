@@ -50,9 +50,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Iterator, Sequence
 
 MODEL_ALIAS = "gemma-3-270m"
 CHAT_FORMAT = "gemma"
@@ -256,7 +256,8 @@ def start_llamacpp_server(
         except _PortInUse:
             _terminate(proc, 5.0)
             if attempt == attempts:
-                raise LlamaCppStartupError(f"port race {attempts} times; log:\n{_tail(log_path)}")
+                raise LlamaCppStartupError(
+                    f"port race {attempts} times; log:\n{_tail(log_path)}") from None
             log_path.unlink(missing_ok=True)
             continue
         except BaseException:

@@ -6,9 +6,8 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
-
 
 from gateway import demo
 from prometheus_server import free_port

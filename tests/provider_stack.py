@@ -6,8 +6,9 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest

@@ -11,8 +11,8 @@ import os
 import signal
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 import aiohttp
 
@@ -59,7 +59,7 @@ class Stack:
         return st["running"] + st["waiting"]
 
     @contextlib.asynccontextmanager
-    async def watching(self) -> AsyncIterator["Stack"]:
+    async def watching(self) -> AsyncIterator[Stack]:
         """Poll the simulator throughout the block; self.peak = most requests it held at once."""
         self.peak = 0
         stop = asyncio.Event()

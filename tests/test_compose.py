@@ -44,7 +44,7 @@ def run(*cmd: str, **kw: Any) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, **kw)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def resolved(*profiles: str) -> dict[str, Any]:
     """The compose file as docker-compose resolves it (anchors, variables, profiles)."""
     args = [a for p in profiles for a in ("--profile", p)]
@@ -94,7 +94,7 @@ def test_services_profiles_and_mounted_files() -> None:
         assert services[name]["image"] == "slogate:local"
     # Every bind mount's source is in the repository.
     for name, svc in services.items():
-        for target, source in mounts(svc).items():
+        for source in mounts(svc).values():
             if source.startswith("/"):
                 assert Path(source).exists(), f"{name} mounts {source}, which does not exist"
 
@@ -273,5 +273,5 @@ async def test_nginx_config_streams_sse_unbuffered() -> None:
     assert len(arrivals) == 5, arrivals
     # Buffered, they would arrive together at the end; allow one pair to bunch up on a busy
     # machine.
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
     assert arrivals[-1] - arrivals[0] >= 0.5 and sum(g > 0.05 for g in gaps) >= 3, gaps

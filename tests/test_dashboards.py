@@ -20,8 +20,9 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import aiohttp
 import yaml
@@ -135,7 +136,7 @@ def test_dashboard_structure() -> None:
         assert any(word in r for r in rows), (word, rows)
     for p in all_panels(dash):
         g = p["gridPos"]
-        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24, p["title"]
         for t in p.get("targets", []):
             if t["datasource"]["type"] == "prometheus":
                 # Panels follow the datasource variable, so the dashboard imports anywhere.
@@ -224,7 +225,7 @@ async def _load(gw: str) -> int:
     inter = {"x-slo-class": "interactive"}
     n = 0
     async with aiohttp.ClientSession() as s:
-        for wave in range(3):
+        for _wave in range(3):
             jobs = [_request(s, gw, headers=inter if i % 2 else None) for i in range(10)]
             # Groq-flavoured answers report the engine's queue, prefill and decode (in the
             # batch class: admitted whatever the queue, so the stage panels always get data).

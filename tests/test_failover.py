@@ -242,10 +242,10 @@ async def test_keepalive_pings_keep_a_silent_stream_alive_through_nginx() -> Non
                     assert r.status == 200
                     async for line in r.content:
                         seen.append((time.monotonic() - t0, line))
-    lines = [l for _, l in seen]
+    lines = [line for _, line in seen]
     assert lines[-2:] == [b"data: [DONE]\n", b"\n"]
-    pings = [t for t, l in seen if l == b": ping\n"]
-    first_token = next(t for t, l in seen if b"t0 " in l)
+    pings = [t for t, line in seen if line == b": ping\n"]
+    first_token = next(t for t, line in seen if b"t0 " in line)
     assert first_token < 1.0  # not held back by nginx or gzip
     assert len(pings) >= 6 and pings[0] < 1.5  # every 0.5 s of silence, as they happen
 

@@ -3,8 +3,7 @@
 finish reasons come from, what ends a stream."""
 from __future__ import annotations
 
-from backends import anthropic as anthropic_api, openai as openai_api
-from backends import openai_responses
+from backends import anthropic as anthropic_api, openai as openai_api, openai_responses
 from gateway.context import RequestContext
 from gateway.sse import SSEParser
 

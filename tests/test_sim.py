@@ -7,15 +7,15 @@ import asyncio
 import contextlib
 import statistics
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import openai
 import orjson
 import pytest
 
-from backends.sim import SimConfig, build_app
-from backends.sim import cli as sim_cli
+from backends.sim import SimConfig, build_app, cli as sim_cli
 from servers import serve_app
 
 FAST = dict(decode_base_ms=2.0, decode_per_seq_ms=0.0, prefill_tokens_per_s=1e9)
@@ -71,7 +71,7 @@ class RawStream:
 
     @classmethod
     async def open(cls, url: str, body: dict[str, Any], path: str = "/v1/chat/completions",
-                   headers: dict[str, str] | None = None) -> "RawStream":
+                   headers: dict[str, str] | None = None) -> RawStream:
         host, port = url.removeprefix("http://").split(":")
         r, w = await asyncio.open_connection(host, int(port))
         data = orjson.dumps(body)
@@ -131,7 +131,7 @@ async def stream_times(url: str, body: dict[str, Any], headers: dict[str, str] |
 
 
 def itl(times: list[float]) -> float:
-    return statistics.median(b - a for a, b in zip(times, times[1:]))
+    return statistics.median(b - a for a, b in zip(times, times[1:], strict=False))
 
 
 # --- the official SDK ----------------------------------------------------------------------------
@@ -189,7 +189,7 @@ async def test_raw_wire_format_is_vllm_like() -> None:
         _, _, evs = await stream_times(url, {**CHAT, "max_tokens": 3, "stream_options": {"include_usage": True}})
         assert evs[-1] == b"data: [DONE]"
         objs = [orjson.loads(ev[6:]) for ev in evs[:-1]]
-        for ev, o in zip(evs, objs):
+        for ev, o in zip(evs, objs, strict=False):
             assert ev == b"data: " + orjson.dumps(o)  # compact JSON, one line
             assert set(o) == ({"id", "object", "created", "model", "choices"} | ({"usage"} if not o["choices"] else set()))
         assert objs[0]["choices"][0] == {"index": 0, "delta": {"role": "assistant", "content": ""},

@@ -11,8 +11,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gateway.sse import SSEParser
 
@@ -120,7 +119,7 @@ def norm_event(name: bytes | None) -> str:
 
 def chunk_bounds(n: int, cuts: list[int]) -> list[tuple[int, int]]:
     pts = [0, *sorted(set(c for c in cuts if 0 < c < n)), n]
-    return list(zip(pts, pts[1:]))
+    return list(zip(pts, pts[1:], strict=False))
 
 
 def expected_hold(lines: list[Line], bounds: list[tuple[int, int]]) -> list[int | None]:

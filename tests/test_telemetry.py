@@ -258,7 +258,10 @@ async def test_prometheus_scrape_agrees_with_the_client(caplog) -> None:
     from gateway.telemetry.prometheus import LATENCY_BUCKETS
     client_p99 = _pct([r[0] for r in results], 0.99)
     bounds = sorted(set(LATENCY_BUCKETS) | {0.3, 0.05})
-    idx = lambda v: next(i for i, b in enumerate(bounds + [float("inf")]) if v <= b)
+
+    def idx(v: float) -> int:
+        return next(i for i, b in enumerate([*bounds, float("inf")]) if v <= b)
+
     assert abs(idx(p99) - idx(client_p99)) <= 1, (p99, client_p99)
     met = sum(1 for ttft, tpot, slow in results if ttft <= 0.3 and (tpot is None or tpot <= 0.05))
     assert good == pytest.approx(met / n)
