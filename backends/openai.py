@@ -109,7 +109,8 @@ def error_body(status: int, message: str, code: str | None = None,
     """`{"error": {"message", "type", "param", "code"}}` — what the OpenAI SDKs read."""
     return orjson.dumps({"error": {
         "message": message,
-        "type": _STATUS_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+        "type": _STATUS_TYPES.get(status,
+                                  "server_error" if status >= 500 else "invalid_request_error"),
         "param": param,
         "code": code,
     }})

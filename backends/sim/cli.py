@@ -47,7 +47,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     """A validated SimConfig from parsed args; knobs not given keep their defaults."""
     vals = {name: getattr(args, name) for name in KNOBS if hasattr(args, name)}
     if "served_model_names" in vals:  # --served-model-name a --served-model-name b,c
-        vals["served_model_names"] = [n for v in vals["served_model_names"] for n in coerce("served_model_names", v)]
+        vals["served_model_names"] = [n for v in vals["served_model_names"]
+                                      for n in coerce("served_model_names", v)]
     cfg = SimConfig(**vals)
     try:
         cfg.validate()
@@ -64,5 +65,6 @@ def run(cfg: SimConfig, host: str, port: int) -> None:
         pass
 
     shown = "[" + host + "]" if ":" in host else host
-    print(f"slogate sim: serving {', '.join(cfg.served_model_names)} on http://{shown}:{port}", flush=True)
+    print(f"slogate sim: serving {', '.join(cfg.served_model_names)} on http://{shown}:{port}",
+          flush=True)
     web.run_app(app, host=host, port=port, handler_cancellation=True, access_log=None, print=_print)

@@ -208,7 +208,8 @@ class Engine:
 
     def note_cancellation(self, phase: str) -> None:
         self.cancellations[phase] += 1
-        self.cancellation_times.append({"phase": phase, "monotonic": time.monotonic(), "unix": time.time()})
+        self.cancellation_times.append({"phase": phase, "monotonic": time.monotonic(),
+                                        "unix": time.time()})
 
     # --- the step loop -------------------------------------------------------------------
     def _end(self, seq: Seq, outcome: str) -> None:
@@ -394,7 +395,8 @@ class Engine:
             "steps": self.steps,
             "prompt_tokens": self.prompt_tokens_total,
             "generation_tokens": self.generation_tokens_total,
-            "prefix_cache": {"query_tokens": self.prefix_queries_tokens, "hit_tokens": self.prefix_hits_tokens},
+            "prefix_cache": {"query_tokens": self.prefix_queries_tokens,
+                             "hit_tokens": self.prefix_hits_tokens},
             "kv_cache_usage": self.kv_usage(),
             "finished": dict(self.finished_by_reason),
             "cancellations": dict(self.cancellations),
