@@ -5,7 +5,6 @@ nginx -t), the pieces point at each other, and the nginx config streams a real g
 without buffering."""
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import re
@@ -23,6 +22,7 @@ import yaml
 from gateway import config as gateway_config
 from procs import sim_and_gateway
 from prometheus_server import free_port
+from waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -241,15 +241,16 @@ async def test_nginx_config_streams_sse_unbuffered() -> None:
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             url = f"http://127.0.0.1:{port}"
             async with aiohttp.ClientSession(auto_decompress=False) as s:
-                for _ in range(200):
+
+                async def nginx_up() -> bool:
                     assert proc.poll() is None, proc.stderr.read().decode()
                     try:
                         async with s.get(url + "/healthz") as r:
-                            if r.status == 200:
-                                break
+                            return r.status == 200
                     except aiohttp.ClientError:
-                        pass
-                    await asyncio.sleep(0.05)
+                        return False
+
+                await wait_until(nginx_up, timeout=10, interval=0.05, what="nginx answering")
                 arrivals: list[float] = []
                 async with s.post(url + "/v1/chat/completions",
                                   headers={"x-sim-token-delay-ms": "200"},

@@ -22,6 +22,7 @@ from procs import sim_and_gateway
 from prometheus_server import free_port
 from servers import serve_app
 from upstreams import REQUESTS, scripted_app
+from waiting import wait_until
 
 FAST = dict(decode_base_ms=2, decode_per_seq_ms=0, prefill_tokens_per_s=1e6)
 MSG = [{"role": "user", "content": "hello"}]
@@ -265,7 +266,7 @@ async def test_breaker_opens_after_failures_and_closes_after_the_probe() -> None
                 assert r.status == 200  # B still serves the model
             # A comes back; after the cooldown one probe closes the breaker.
             async with serve_app(build_sim(SimConfig(**FAST)), port=dead_port):
-                await asyncio.sleep(1.1)
+                await asyncio.sleep(1.1)  # the 1 s cooldown passes (the gateway's real clock)
                 for _ in range(4):
                     assert (await sdk_stream(base, max_tokens=2))[0]
                 m = await metrics_text(base)
@@ -297,9 +298,12 @@ async def test_active_health_check_marks_a_replica_down() -> None:
                        "health_path": "/nope", "health_interval_s": 0.1}
         cfg = config.parse({"auth": {"mode": "open"}, "backends": [raw_backend]}, env={})
         async with serve_app(build_app(cfg)) as base, aiohttp.ClientSession() as s:
-            await asyncio.sleep(0.3)
-            async with s.get(base + "/readyz") as r:
-                assert r.status == 503
+
+            async def not_ready() -> bool:  # the first check (every 0.1 s) gets a 404
+                async with s.get(base + "/readyz") as r:
+                    return r.status == 503
+
+            await wait_until(not_ready, timeout=2, what="/readyz answering 503")
 
 
 async def test_sigterm_drains_live_streams() -> None:
@@ -338,9 +342,13 @@ models = ["m"]
             await asyncio.wait_for(started.wait(), 10)
             t0 = time.monotonic()
             gwp.popen.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.15)
-            async with s.get(gwp.url + "/readyz") as r:
-                assert r.status == 503  # the balancer learns first
+
+            async def not_ready() -> bool:
+                async with s.get(gwp.url + "/readyz") as r:
+                    return r.status == 503
+
+            # the balancer learns first
+            await wait_until(not_ready, timeout=2, what="/readyz answering 503 after SIGTERM")
             bodies = await asyncio.gather(*tasks)
             code = await asyncio.to_thread(gwp.popen.wait, 10)
             elapsed = time.monotonic() - t0

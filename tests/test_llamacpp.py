@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 
 from llamacpp import llamacpp_fixture, llamacpp_server, require_llamacpp
+from waiting import wait_until
 
 llamacpp = llamacpp_fixture(scope="module")
 
@@ -157,11 +158,9 @@ async def test_client_disconnect_stops_generation(llamacpp):
     # 1500 tokens take >= 20 s here (~20-80 ms/token on 2 cores); a stopped generation
     # frees the model at once.
     assert waited < 10, waited
-    for _ in range(50):  # the server prints this when it notices the disconnect
-        if "Disconnected from client" in llamacpp.log_text():
-            break
-        await asyncio.sleep(0.1)
-    assert "Disconnected from client" in llamacpp.log_text()
+    # the server prints this when it notices the disconnect
+    await wait_until(lambda: "Disconnected from client" in llamacpp.log_text(), timeout=5,
+                     interval=0.1, what="llama.cpp logging the disconnect")
     assert time.monotonic() - t_disc < 15
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from backends.sim import SimConfig, build_app, cli as sim_cli
 from servers import serve_app
+from waiting import wait_until
 
 FAST = dict(decode_base_ms=2.0, decode_per_seq_ms=0.0, prefill_tokens_per_s=1e9)
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Tell me about rivers."}]}
@@ -50,15 +51,6 @@ async def get_json(url: str) -> Any:
 
 async def stats(url: str) -> dict[str, Any]:
     return await get_json(url + "/sim/stats")
-
-
-async def wait_for(pred: Any, timeout: float = 2.0) -> None:
-    end = time.monotonic() + timeout
-    while True:
-        if await pred():
-            return
-        assert time.monotonic() < end, "condition not reached"
-        await asyncio.sleep(0.005)
 
 
 class RawStream:
@@ -364,7 +356,7 @@ async def test_fault_hang_headers_and_first_token_with_pings() -> None:
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(rs.reader.read(1), 0.15)
         rs.close()
-        await wait_for(lambda: _cancelled(url, "queued", 1))
+        await wait_until(lambda: _cancelled(url, "queued", 1), timeout=2.0)
 
         rs = await RawStream.open(url, {**CHAT, "stream": True},
                                   headers={"x-sim-hang": "first_token", "x-sim-ping-ms": "40"})
@@ -411,7 +403,7 @@ async def _cancelled(url: str, phase: str, n: int) -> bool:
 async def _close_and_check(url: str, rs: RawStream, phase: str, running: int = 0) -> None:
     t_close = time.monotonic()
     rs.close()
-    await wait_for(lambda: _cancelled(url, phase, 1), 1.0)
+    await wait_until(lambda: _cancelled(url, phase, 1), timeout=1.0)
     st = await stats(url)
     assert st["cancellation_times"][-1]["phase"] == phase
     assert st["cancellation_times"][-1]["monotonic"] - t_close < 0.1
@@ -438,7 +430,7 @@ async def test_disconnect_during_prefill() -> None:
         rs = await RawStream.open(url, {"model": "m", "stream": True, "prompt": "p" * 40_000},
                                   path="/v1/completions")
         await rs.read_headers()
-        await wait_for(lambda: _prefilling(url))
+        await wait_until(lambda: _prefilling(url), timeout=2.0)
         await _close_and_check(url, rs, "prefill")
 
 
@@ -454,10 +446,10 @@ async def test_disconnect_during_decode_nonstream_too() -> None:
         await _close_and_check(url, rs, "decode")
         # a non-streaming request abandoned mid-decode is cancelled too
         rs = await RawStream.open(url, {**CHAT, "max_tokens": 5000})
-        await wait_for(lambda: _running(url))
+        await wait_until(lambda: _running(url), timeout=2.0)
         t_close = time.monotonic()
         rs.close()
-        await wait_for(lambda: _cancelled(url, "decode", 2), 1.0)
+        await wait_until(lambda: _cancelled(url, "decode", 2), timeout=1.0)
         assert (await stats(url))["cancellation_times"][-1]["monotonic"] - t_close < 0.1
 
 

@@ -19,6 +19,7 @@ from procs import sim_and_gateway
 from prometheus_server import prometheus
 from servers import serve_app
 from upstreams import REQUESTS, scripted_app
+from waiting import wait_until
 
 SERVER, CLIENT = 2, 3  # OTLP span kinds
 FAST_SIM = SimConfig(decode_base_ms=2, decode_per_seq_ms=0, prefill_tokens_per_s=1e6)
@@ -244,12 +245,12 @@ async def test_prometheus_scrape_agrees_with_the_client(caplog) -> None:
                 for batch in range(6):
                     await asyncio.gather(*(one(batch * 8 + i) for i in range(8)))
                 n = len(results)
-                for _ in range(100):
-                    if await prom.scalar("sum(slogate_requests_total)") == n:
-                        break
-                    await asyncio.sleep(0.2)
-                else:
-                    raise AssertionError("prometheus never saw all requests")
+
+                async def all_scraped() -> bool:
+                    return await prom.scalar("sum(slogate_requests_total)") == n
+
+                await wait_until(all_scraped, timeout=20, interval=0.2,
+                                 what="prometheus seeing every request")
                 p99 = await prom.scalar('histogram_quantile(0.99, sum by (le) '
                                         '(slogate_time_to_first_token_seconds_bucket))')
                 good = await prom.scalar(
@@ -288,12 +289,19 @@ async def test_gateway_ttft_matches_client_ttft_on_loopback() -> None:
                                 client[rid] = (time.perf_counter() - t0) * 1e3
                             break
                     await r.read()
-        await asyncio.sleep(0.2)
-        gateway = {}
-        for line in gw.log_text().splitlines():
-            if line.startswith("{"):
-                obj = json.loads(line)
-                gateway[obj["request_id"]] = obj["ms"]["ttft"]
+
+        def logged() -> dict[str, float]:
+            """The gateway's TTFT per request, once it has logged every request measured here
+            (a request is logged just after its response ends)."""
+            out = {}
+            for line in gw.log_text().split("\n")[:-1]:  # whole lines only
+                if line.startswith("{"):
+                    obj = json.loads(line)
+                    out[obj["request_id"]] = obj["ms"]["ttft"]
+            return out if set(client) <= set(out) else {}
+
+        gateway = await wait_until(logged, timeout=5, interval=0.02,
+                                   what="the gateway's access log of every request")
     diffs = sorted(client[k] - gateway[k] for k in client)
     p99 = diffs[min(len(diffs) - 1, round(0.99 * (len(diffs) - 1)))]
     print(f"client - gateway TTFT: p50 {diffs[len(diffs) // 2]:.3f} ms, p99 {p99:.3f} ms")

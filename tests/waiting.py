@@ -11,11 +11,12 @@ T = TypeVar("T")
 
 
 async def wait_until(predicate: Callable[[], T | Awaitable[T]], timeout: float = 5.0,
-                     interval: float = 0.005, what: str = "condition") -> T:
+                     interval: float = 0.005, what: str | Callable[[], str] = "condition") -> T:
     """Poll `predicate` (a function or a coroutine function) every `interval` seconds until it
     returns something true, and return that; fail the test with AssertionError if it has not
     within `timeout` seconds. The predicate is always tried at least once, and once more at the
-    deadline, so a slow machine fails only on a real timeout."""
+    deadline, so a slow machine fails only on a real timeout. `what` names the condition in the
+    failure message (a function is called then, to show the state at the deadline)."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
@@ -24,5 +25,6 @@ async def wait_until(predicate: Callable[[], T | Awaitable[T]], timeout: float =
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise AssertionError(f"{what} not reached within {timeout} s (last value: {value!r})")
+            name = what() if callable(what) else what
+            raise AssertionError(f"{name} not reached within {timeout} s (last value: {value!r})")
         await asyncio.sleep(interval)
