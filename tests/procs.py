@@ -51,7 +51,8 @@ async def slogate(*args: str, ready_path: str, env: dict[str, str] | None = None
 
 
 @contextlib.asynccontextmanager
-async def sim_and_gateway(sim_args: tuple[str, ...] = (), config_toml: str = "") -> AsyncIterator[tuple[Proc, Proc]]:
+async def sim_and_gateway(sim_args: tuple[str, ...] = (),
+                          config_toml: str = "") -> AsyncIterator[tuple[Proc, Proc]]:
     """The simulator and a gateway in front of it, both as real processes. In `config_toml`,
     SIM_URL stands for the simulator's base URL."""
     async with slogate("sim", *sim_args, ready_path="/health") as sim:

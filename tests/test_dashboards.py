@@ -363,9 +363,11 @@ async def _check_everything(s: aiohttp.ClientSession, prom_url: str, dash: dict[
     for g in groups:
         for rule in g["rules"]:
             if rule.get("health") != "ok" or rule.get("lastError"):
-                problems.append(f"rule {rule['name']}: {rule.get('health')} {rule.get('lastError')}")
+                problems.append(f"rule {rule['name']}: {rule.get('health')} "
+                                f"{rule.get('lastError')}")
     assert sum(len(g["rules"]) for g in groups) == len(recorded) + len(alerts)
 
     for metric in sorted(set(came_alive)):
-        problems.append(f"{metric} has data now: remove it from PENDING in tests/test_dashboards.py")
+        problems.append(f"{metric} has data now: remove it from PENDING in "
+                        "tests/test_dashboards.py")
     assert not problems, "\n".join(problems)

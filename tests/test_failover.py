@@ -82,10 +82,12 @@ async def test_stall_on_one_replica_fails_over_to_the_next() -> None:
     (server,) = otlp[RECEIVER].by_name("chat m")
     assert len(spans) == 2 and all(s.parent_id == server.span_id for s in spans)
     first, second = sorted(spans, key=lambda s: s.start)
-    assert first.attrs["slogate.backend"] == "a" and first.attrs["error.type"] == "first_token_timeout"
+    assert first.attrs["slogate.backend"] == "a"
+    assert first.attrs["error.type"] == "first_token_timeout"
     assert second.attrs["slogate.backend"] == "b" and "error.type" not in second.attrs
     assert first.end <= second.start
-    assert metric(text_m, "slogate_upstream_attempts_total", backend="a", result="first_token_timeout") == 1
+    assert metric(text_m, "slogate_upstream_attempts_total", backend="a",
+                  result="first_token_timeout") == 1
     assert metric(text_m, "slogate_upstream_attempts_total", backend="b", result="ok") == 1
     assert sum(a_stats["cancellations"].values()) == 1  # A was told at once
 
@@ -108,7 +110,8 @@ async def test_role_chunk_and_pings_are_not_a_first_token() -> None:
 def flaky_upstream(failures: list[tuple[int, dict[str, str]]]) -> web.Application:
     """Answers the listed (status, headers) first, then streams a short answer."""
     app = scripted_app([
-        b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"ok"},"finish_reason":null}]}\n\n',
+        b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+        b'"choices":[{"index":0,"delta":{"content":"ok"},"finish_reason":null}]}\n\n',
         b"data: [DONE]\n\n"])
     queue = list(failures)
 
@@ -186,7 +189,8 @@ def tokens(n: int, gap: float) -> list:
     out: list = []
     for i in range(n):
         out += [b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
-                b'"choices":[{"index":0,"delta":{"content":"t%d "},"finish_reason":null}]}\n\n' % i, gap]
+                b'"choices":[{"index":0,"delta":{"content":"t%d "},"finish_reason":null}]}\n\n'
+                % i, gap]
     return out
 
 
@@ -260,7 +264,8 @@ async def test_breaker_opens_after_failures_and_closes_after_the_probe() -> None
             for _ in range(6):  # every request succeeds: A's failures fail over to B
                 assert (await sdk_stream(base, max_tokens=2))[0]
             m = await metrics_text(base)
-            assert metric(m, "slogate_upstream_attempts_total", backend="a", result="connect_error") == 2
+            assert metric(m, "slogate_upstream_attempts_total", backend="a",
+                          result="connect_error") == 2
             assert metric(m, "slogate_backend_breaker_state", backend="a") == 2  # open
             async with aiohttp.ClientSession() as s, s.get(base + "/readyz") as r:
                 assert r.status == 200  # B still serves the model

@@ -224,7 +224,8 @@ async def test_through_the_gateway_same_stream_and_recorded_timeline(llamacpp, c
     base = llamacpp.base_url  # ends with /v1
     cfg = config.parse({"auth": {"mode": "open"}, "server": {"access_log": True},
                         "backends": [{"name": "llamacpp", "base_url": base, "provider": "llama.cpp",
-                                      "models": [llamacpp.model], "aliases": {"gemma": llamacpp.model}}]},
+                                      "models": [llamacpp.model],
+                                      "aliases": {"gemma": llamacpp.model}}]},
                        env={})
 
     async def collect(url: str, model: str) -> str:

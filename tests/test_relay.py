@@ -34,7 +34,8 @@ def gateway_config(upstream_base: str, **server) -> config.Config:
                          "backends": [{"name": "up", "base_url": upstream_base + "/v1"}]})
 
 
-async def post_stream(base: str, body: dict, headers: dict | None = None) -> tuple[int, dict, bytes]:
+async def post_stream(base: str, body: dict,
+                      headers: dict | None = None) -> tuple[int, dict, bytes]:
     async with aiohttp.ClientSession() as s:
         async with s.post(base + "/v1/chat/completions", json=body, headers=headers) as r:
             return r.status, dict(r.headers), await r.read()
@@ -62,7 +63,8 @@ def stream_body(rng: random.Random, *, crlf: bool) -> list[bytes]:
             big = {"tool_calls": [{"index": 0, "function": {"arguments": "x" * 1_000_000}}]}
             events.append(chunk(big).replace(b"\n\n", nl + nl))
         if i == 12:
-            events.append(b"event: message" + nl + b'data: {"id":"chatcmpl-1","choices":[{"index":0,'
+            events.append(b"event: message" + nl
+                          + b'data: {"id":"chatcmpl-1","choices":[{"index":0,'
                           + nl + b'data: "delta":{"content":"multi"}}]}' + nl + nl)
     events.append(FINISH.replace(b"\n\n", nl + nl))
     return events
@@ -235,10 +237,12 @@ async def test_bad_requests_get_openai_errors(payload: bytes, status: int, code:
 
 async def test_body_over_limit_is_413() -> None:
     async with serve_app(scripted_app([DONE])) as up:
-        cfg = config.parse({"auth": {"mode": "open"}, "server": {"max_body_bytes": 1000, "access_log": False},
+        cfg = config.parse({"auth": {"mode": "open"},
+                            "server": {"max_body_bytes": 1000, "access_log": False},
                             "backends": [{"name": "up", "base_url": up + "/v1"}]})
         async with serve_app(build_app(cfg)) as gw, aiohttp.ClientSession() as s:
-            big = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 5000}]})
+            big = orjson.dumps({"model": "m",
+                                "messages": [{"role": "user", "content": "x" * 5000}]})
             async with s.post(gw + "/v1/chat/completions", data=big) as r:
                 assert r.status == 413
                 assert (await r.json())["error"]["code"] == "request_too_large"

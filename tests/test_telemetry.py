@@ -124,7 +124,8 @@ def token(text: str) -> bytes:
     (GROQ_FINAL, 0.04, 0.003, 0.021),
     (CEREBRAS_FINAL, 0.0004, 0.0021, 0.0068),
 ])
-async def test_provider_reported_stages_become_provider_spans(final, queue, prefill, decode) -> None:
+async def test_provider_reported_stages_become_provider_spans(final, queue, prefill,
+                                                               decode) -> None:
     up = scripted_app([token("a"), 0.01, token("b"), final, b"data: [DONE]\n\n"])
     otlp = receiver_app()
     async with serve_app(otlp) as otlp_url, serve_app(up) as up_url:
@@ -138,7 +139,8 @@ async def test_provider_reported_stages_become_provider_spans(final, queue, pref
                 prom_text = await r.text()
     rec = otlp[RECEIVER]
     (upstream,) = rec.by_name("upstream")
-    spans = {n: rec.by_name(n)[0] for n in ("provider.queue", "provider.prefill", "provider.decode")}
+    spans = {n: rec.by_name(n)[0]
+             for n in ("provider.queue", "provider.prefill", "provider.decode")}
     for name, seconds in (("provider.queue", queue), ("provider.prefill", prefill),
                           ("provider.decode", decode)):
         s = spans[name]
@@ -149,7 +151,8 @@ async def test_provider_reported_stages_become_provider_spans(final, queue, pref
     assert spans["provider.prefill"].end == spans["provider.decode"].start
     # No stage the provider did not report is made up: gateway-measured spans say so.
     assert rec.by_name("upstream.prefill")[0].attrs["slogate.timing.source"] == "gateway"
-    assert 'slogate_provider_queue_seconds_count{backend="sim",model="m",route="/v1/chat/completions"} 1.0' in prom_text
+    assert ('slogate_provider_queue_seconds_count{backend="sim",model="m",'
+            'route="/v1/chat/completions"} 1.0') in prom_text
 
 
 async def test_otlp_metrics_use_genai_names() -> None:
@@ -195,7 +198,8 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-async def _stream_and_time(session: aiohttp.ClientSession, url: str, headers: dict) -> tuple[float, float | None]:
+async def _stream_and_time(session: aiohttp.ClientSession, url: str,
+                           headers: dict) -> tuple[float, float | None]:
     """Client-side TTFT (to the first content token) and TPOT, in seconds."""
     t0 = time.perf_counter()
     first = last = None
@@ -254,8 +258,10 @@ async def test_prometheus_scrape_agrees_with_the_client(caplog) -> None:
                 p99 = await prom.scalar('histogram_quantile(0.99, sum by (le) '
                                         '(slogate_time_to_first_token_seconds_bucket))')
                 good = await prom.scalar(
-                    'sum(slogate_slo_requests_total{verdict="met"}) / sum(slogate_slo_requests_total)')
-                per_class = await prom.query('sum by (slo_class, verdict) (slogate_slo_requests_total)')
+                    'sum(slogate_slo_requests_total{verdict="met"}) '
+                    '/ sum(slogate_slo_requests_total)')
+                per_class = await prom.query(
+                    'sum by (slo_class, verdict) (slogate_slo_requests_total)')
     from gateway.telemetry.prometheus import LATENCY_BUCKETS
     client_p99 = _pct([r[0] for r in results], 0.99)
     bounds = sorted(set(LATENCY_BUCKETS) | {0.3, 0.05})
