@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 DURATION ?=
 STAMP := $(VENV)/.slogate-installed
 
-.PHONY: demo test bench bench-goodput serve sim system-deps clean
+.PHONY: demo lint test bench bench-goodput serve sim system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,7 +29,12 @@ dashboards/schema-check/node_modules: dashboards/schema-check/package-lock.json
 	cd dashboards/schema-check && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-test: $(STAMP) system-deps dashboards/schema-check/node_modules
+# Static checks: ruff (style, imports, likely bugs) and mypy (strict; see pyproject.toml).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check gateway backends tests benchmarks
+	$(VENV)/bin/mypy gateway backends/sim
+
+test: lint $(STAMP) system-deps dashboards/schema-check/node_modules
 	bash scripts/install-llamacpp.sh $(PY)
 	$(PY) -m pytest
 

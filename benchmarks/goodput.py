@@ -55,7 +55,8 @@ Placement (from benchmarks/overhead.py, whose process helpers this reuses): the 
 second allowed CPU, the simulator and the load generator on the first.
 
 Usage (from the repository root):
-    .venv/bin/python -m benchmarks.goodput             # 5 points x 2 modes, 5 + 15 s each (~4-5 min)
+    .venv/bin/python -m benchmarks.goodput             # 5 points x 2 modes, 5 + 15 s each
+                                                       # (~4-5 min)
     .venv/bin/python -m benchmarks.goodput --quick     # 1x and 2x, 3 + 6 s each (~1 min smoke)
     .venv/bin/python -m benchmarks.goodput --capacity 4.4 --loads 2 --window 20
 Output: a markdown table on stdout (and --markdown, default bench-results/goodput.md), JSON
@@ -91,7 +92,14 @@ if str(REPO) not in sys.path:  # run as a script: make `benchmarks` importable
 
 from benchmarks import overhead as harness  # noqa: E402  (process management, placement)
 from benchmarks.overhead import (  # noqa: E402
-    Procs, cpu_model, fmt_cpus, free_port, gateway_config, git_rev, parse_cpus, run_json_process,
+    Procs,
+    cpu_model,
+    fmt_cpus,
+    free_port,
+    gateway_config,
+    git_rev,
+    parse_cpus,
+    run_json_process,
     wait_http,
 )
 
@@ -323,7 +331,8 @@ async def _client_run(spec: dict[str, Any]) -> dict[str, Any]:
     async def poll() -> None:
         while True:
             s: dict[str, Any] = {"t": clock() - t0}
-            for key, u in (("admission", spec.get("admin_url")), ("sim", spec.get("sim_stats_url"))):
+            for key, u in (("admission", spec.get("admin_url")),
+                           ("sim", spec.get("sim_stats_url"))):
                 if not u:
                     continue
                 try:
@@ -501,7 +510,8 @@ def summarize(run: dict[str, Any], warmup: float, window: float,
             if not inw(r.get("t_end") or r.get("t_headers")):
                 continue
             if r["status"] not in (200, 429):
-                other[f"http_{r['status']}" if r["status"] else (r.get("error") or "no_status")] += 1
+                kind = f"http_{r['status']}" if r["status"] else (r.get("error") or "no_status")
+                other[kind] += 1
             elif r["status"] == 200 and r["error"]:
                 other[r["error"]] += 1
         cp = [p for p in probes if cls == "all" or p["cls"] == cls]
@@ -513,7 +523,8 @@ def summarize(run: dict[str, Any], warmup: float, window: float,
             "arrived": arrived, "finished": len(finished), "met": met,
             "goodput_rps": met / window, "served_rps": len(finished) / window,
             "attainment": met / arrived if arrived else None,  # goodput / offered
-            "rejected": len(rejected), "rejection_rate": len(rejected) / arrived if arrived else None,
+            "rejected": len(rejected),
+            "rejection_rate": len(rejected) / arrived if arrived else None,
             "reject_reasons": dict(Counter(r.get("reason") or "?" for r in rejected)),
             "first_tokens": len(ttft), "first_tokens_in_ttft_slo": first_in_slo,
             "late_open_at_end": late_open, "other": dict(other),
@@ -726,7 +737,8 @@ def render(results: dict[str, Any]) -> str:
             f"req/s = **{v['admission_ratio_2x'] * 100:.0f} %** of the peak goodput at capacity "
             f"({v['peak_goodput_at_capacity_rps']:.2f} req/s, the better mode at 1×; target "
             f"≥ 90 %: {'met' if v['goodput_target_met'] else 'MISSED'}); pass-through "
-            f"{v['passthrough_goodput_2x_rps']:.2f} req/s ({v['passthrough_ratio_2x'] * 100:.0f} %). "
+            f"{v['passthrough_goodput_2x_rps']:.2f} req/s "
+            f"({v['passthrough_ratio_2x'] * 100:.0f} %). "
             f"Admitted interactive P99 TTFT at 2×: "
             f"{fmt(v['admitted_interactive_p99_ttft_ms_2x'])} ms (SLO "
             f"{CLASSES['interactive'][0]:g} ms: "
@@ -936,7 +948,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "meta": {
             "benchmark": "goodput",
-            "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "git": git_rev(), "window_s": window, "warmup_s": warmup, "tail_cap_s": tail_cap,
             "loads": loads, "seed": args.seed, "probe_fraction": args.probe_fraction,
             "sim": sim_knobs, "classes": {n: list(v) for n, v in CLASSES.items()},
@@ -946,7 +958,7 @@ def main(argv: list[str] | None = None) -> int:
             "admission_extra": args.admission_extra, "placement": placement,
             "sim_cmd": sim_argv, "gateway_cmd": gw_argv,
             "host": {"cpus": os.cpu_count(), "allowed_cpus": allowed, "cpu_model": cpu_model(),
-                     "loadavg_start": " ".join(open("/proc/loadavg").read().split()[:3]),
+                     "loadavg_start": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
                      "python": platform.python_version()},
         },
         "points": [],
@@ -1059,7 +1071,7 @@ def main(argv: list[str] | None = None) -> int:
         elif not ok:
             print(f"process logs kept in {tmp}", file=sys.stderr)
 
-    results["meta"]["finished"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    results["meta"]["finished"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     results["meta"]["elapsed_s"] = time.monotonic() - t_start
     if set(modes) == set(MODES):
         results["verdict"] = verdict(results)

@@ -335,10 +335,8 @@ def _preexec(cpus: set[int] | None):
         if nice:
             os.nice(nice)
         # Die with the benchmark even if it is killed hard (PR_SET_PDEATHSIG).
-        try:
+        with contextlib.suppress(OSError):  # pragma: no cover - non-glibc
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-        except OSError:  # pragma: no cover - non-glibc
-            pass
         if cpus:
             os.sched_setaffinity(0, cpus)
     return fn
@@ -353,10 +351,10 @@ class Procs:
 
     def start(self, name: str, argv: list[str], cpus: set[int] | None,
               env: dict[str, str] | None = None) -> subprocess.Popen:
-        log = open(self.logdir / f"{name}.log", "ab")
-        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             cwd=REPO, env=env, preexec_fn=_preexec(cpus))
-        log.close()
+        with open(self.logdir / f"{name}.log", "ab") as log:  # the child keeps its own copy
+            p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, cwd=REPO, env=env,
+                                 preexec_fn=_preexec(cpus))
         self.procs.append((name, p))
         return p
 
@@ -629,26 +627,31 @@ def render(results: dict[str, Any]) -> str:
             r = pt[path]
             c = r["cpu"]
 
-            def pc(name: str) -> str:
+            def pc(name: str, c: dict[str, Any] = c) -> str:
                 u = c.get(name, {}).get("util")
                 w = c.get(name, {}).get("runq_wait_frac")
-                return ("–" if u is None else f"{u * 100:.0f}") + ("" if w is None else f" [{w * 100:.0f}]")
+                return (("–" if u is None else f"{u * 100:.0f}")
+                        + ("" if w is None else f" [{w * 100:.0f}]"))
             g = c.get("gateway", {})
             sys_share = (f", {g['sys_s'] / g['cpu_s'] * 100:.0f}% sys"
                          if path == "gateway" and g.get("cpu_s") else "")
             o = pt["overhead"]
-            added = (f"| {fmt(o['added_headers_ms']['p50'])} | {fmt(o['added_first_byte_ms']['p50'])} |"
+            added = (f"| {fmt(o['added_headers_ms']['p50'])} "
+                     f"| {fmt(o['added_first_byte_ms']['p50'])} |"
                      if path == "gateway" else "| | |")
-            lines.append(f"| {pt['streams']} | {path} | {pc('gateway') if path == 'gateway' else '–'}{sys_share} | {pc('sim')} "
+            gw_cpu = pc("gateway") if path == "gateway" else "–"
+            lines.append(f"| {pt['streams']} | {path} | {gw_cpu}{sys_share} | {pc('sim')} "
                          f"| {pc('client')} | {fmt(r['headers_ms']['p50'])} "
                          f"| {fmt(r['first_byte_ms']['p50'])} {added}")
-    worst = max(((pt[path]["cpu"].get(name, {}).get("runq_wait_frac") or 0.0, pt["streams"], path, name)
+    worst = max(((pt[path]["cpu"].get(name, {}).get("runq_wait_frac") or 0.0, pt["streams"],
+                  path, name)
                  for pt in results["points"] for path in ("direct", "gateway")
                  for name in ("gateway", "sim", "client")
                  if name != "gateway" or path == "gateway"), default=None)
     if worst and worst[0] > 0.05:
-        lines += ["", f"**Warning: CPU contention.** The {worst[3]} waited {worst[0] * 100:.0f}% of "
-                      f"the window for its core ({worst[1]} streams, {worst[2]} path): other work "
+        lines += ["", f"**Warning: CPU contention.** The {worst[3]} waited "
+                      f"{worst[0] * 100:.0f}% of the window for its core ({worst[1]} streams, "
+                      f"{worst[2]} path): other work "
                       f"on this machine (or the process sharing its core) kept it from running; "
                       f"latency and throughput numbers are not clean. Rerun on an idle machine "
                       f"(or with --nice -5)."]
@@ -706,7 +709,7 @@ def git_rev() -> str | None:
 
 def cpu_model() -> str:
     with contextlib.suppress(OSError):
-        for line in open("/proc/cpuinfo"):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or "?"
@@ -716,13 +719,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", help="concurrency levels (default 1,8,64,256)")
-    ap.add_argument("--duration", type=float, help="seconds measured per point and path (default 10)")
+    ap.add_argument("--duration", type=float,
+                    help="seconds measured per point and path (default 10)")
     ap.add_argument("--warmup", type=float, help="seconds of load before each window (default 2)")
     ap.add_argument("--tokens", type=int, default=100, help="content tokens per response")
     ap.add_argument("--token-ms", type=float, default=2.0, help="sim decode step (ms per token)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: streams 1,8, 3 s per point, 1 s warm-up (unless given)")
-    ap.add_argument("--out", default="bench-results/overhead.json", help="JSON results (default %(default)s)")
+    ap.add_argument("--out", default="bench-results/overhead.json",
+                    help="JSON results (default %(default)s)")
     ap.add_argument("--markdown", help="also write the table to this file")
     ap.add_argument("--gateway-cmd", default=DEFAULT_GATEWAY_CMD,
                     help="gateway command template; placeholders {python} {config} {host} {port} "
@@ -739,7 +744,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gateway-cpu", help="CPU list for the gateway (default: the 2nd allowed CPU; "
                                           "'none' = unpinned)")
     ap.add_argument("--sim-cpu", help="CPU list for the simulator (default: the 1st allowed CPU)")
-    ap.add_argument("--client-cpu", help="CPU list for the load generator (default: same as the sim)")
+    ap.add_argument("--client-cpu",
+                    help="CPU list for the load generator (default: same as the sim)")
     ap.add_argument("--profile", metavar="DIR",
                     help="also run py-spy on the gateway at the 64-stream point (an extra, "
                          "unmeasured pass): DIR/gateway-<streams>.svg and a raw collapsed-stack "
@@ -799,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "meta": {
             "benchmark": "overhead",
-            "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "git": git_rev(),
             "tokens": args.tokens, "token_ms": args.token_ms,
             "duration_s": args.duration, "warmup_s": args.warmup, "streams": streams,
@@ -807,7 +813,7 @@ def main(argv: list[str] | None = None) -> int:
             "telemetry": args.telemetry or "unset",
             "sim_cmd": sim_argv, "gateway_cmd": gw_argv,
             "host": {"cpus": os.cpu_count(), "allowed_cpus": allowed, "cpu_model": cpu_model(),
-                     "loadavg_start": " ".join(open("/proc/loadavg").read().split()[:3]),
+                     "loadavg_start": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
                      "python": platform.python_version(), "kernel": platform.release()},
             "method": "closed loop, one client process (aiohttp+uvloop) per point/path; TTFT to "
                       "first non-empty delta.content event; CPU from /proc/PID/stat",
@@ -888,7 +894,7 @@ def main(argv: list[str] | None = None) -> int:
         elif not ok:
             print(f"process logs kept in {tmp}", file=sys.stderr)
 
-    results["meta"]["finished"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    results["meta"]["finished"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
@@ -923,7 +929,8 @@ def profile_point(args, procs: Procs, tmp: Path, spec: dict[str, Any],
                 "--format", fmt_name, "-o", str(dest), *native]
         holder: dict[str, subprocess.Popen] = {}
 
-        def during() -> None:
+        def during(holder: dict[str, subprocess.Popen] = holder, fmt_name: str = fmt_name,
+                   argv: list[str] = argv) -> None:
             time.sleep(spec["warmup"])
             holder["p"] = procs.start(f"py-spy-{fmt_name}", argv, client_cpus)
 

@@ -8,6 +8,8 @@ drain) from a client that went away.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Protocol
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
@@ -22,24 +24,38 @@ if TYPE_CHECKING:
 __all__ = ["FIRST_TOKEN", "IDLE", "SHUTDOWN", "TOTAL", "DeadlineOverrides", "Watchdog"]
 
 
+class Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Scheduler(Protocol):
+    """What the watchdog needs of an event loop (tests pass one that runs on a fake clock)."""
+
+    def call_later(self, delay: float, callback: Callable[[], object]) -> Timer: ...
+
+
 class Watchdog:
     __slots__ = ("ctx", "task", "loop", "first_token_at", "idle_ns", "total_at", "handle",
-                 "fired")
+                 "fired", "clock")
 
-    def __init__(self, ctx: Exchange, total_at: int, idle_s: float) -> None:
+    def __init__(self, ctx: Exchange, total_at: int, idle_s: float, *,
+                 clock: Callable[[], int] = now_ns, loop: Scheduler | None = None) -> None:
+        """`clock` (monotonic ns) and `loop` (where the timer is set) are the real ones unless a
+        test drives time itself."""
         self.ctx = ctx
         self.task = asyncio.current_task()
-        self.loop = asyncio.get_running_loop()
+        self.loop: Scheduler = loop if loop is not None else asyncio.get_running_loop()
+        self.clock = clock
         self.total_at = total_at
         self.first_token_at = total_at
         self.idle_ns = int(idle_s * 1e9)
-        self.handle: asyncio.TimerHandle | None = None
+        self.handle: Timer | None = None
         self.fired: str | None = None
         self._arm()
 
     def attempt(self, first_token_s: float, idle_s: float) -> None:
         """A new upstream attempt starts now: its own first-token deadline (and idle gap)."""
-        self.first_token_at = min(now_ns() + int(first_token_s * 1e9), self.total_at)
+        self.first_token_at = min(self.clock() + int(first_token_s * 1e9), self.total_at)
         self.idle_ns = int(idle_s * 1e9)
         self._arm()
 
@@ -57,13 +73,13 @@ class Watchdog:
     def _arm(self) -> None:
         if self.handle is not None:
             self.handle.cancel()
-        delay = (self._due() - now_ns()) / 1e9
+        delay = (self._due() - self.clock()) / 1e9
         self.handle = self.loop.call_later(max(0.0, delay), self._check)
 
     def _check(self) -> None:
         if self.fired is not None:
             return
-        now = now_ns()
+        now = self.clock()
         ctx = self.ctx
         if now >= self.total_at:
             self.fire(TOTAL)

@@ -19,9 +19,11 @@ class Breaker:
     """Consecutive failures open it for a cooldown; then one request is let through as a
     probe, and its outcome closes or re-opens it."""
 
-    __slots__ = ("policy", "state", "failures", "opened_at", "probing", "on_change")
+    __slots__ = ("policy", "state", "failures", "opened_at", "probing", "on_change", "clock")
 
-    def __init__(self, policy: BreakerPolicy, on_change: Callable[[int], None]) -> None:
+    def __init__(self, policy: BreakerPolicy, on_change: Callable[[int], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock  # monotonic seconds (a test passes its own)
         self.policy = policy
         self.state = CLOSED
         self.failures = 0
@@ -39,14 +41,14 @@ class Breaker:
         if self.state == CLOSED:
             return True
         if self.state == OPEN:
-            return (now or time.monotonic()) - self.opened_at >= self.policy.cooldown_s
+            return (now or self.clock()) - self.opened_at >= self.policy.cooldown_s
         return not self.probing
 
     def acquire(self) -> bool:
         """Claim this replica for a request; False if the breaker forbids it."""
         if self.state == CLOSED:
             return True
-        now = time.monotonic()
+        now = self.clock()
         if self.state == OPEN and now - self.opened_at >= self.policy.cooldown_s:
             self._set(HALF_OPEN)
             self.probing = False
@@ -58,7 +60,7 @@ class Breaker:
     def retry_after_s(self) -> float:
         if self.state != OPEN:
             return 1.0
-        return max(0.0, self.policy.cooldown_s - (time.monotonic() - self.opened_at))
+        return max(0.0, self.policy.cooldown_s - (self.clock() - self.opened_at))
 
     def release(self) -> None:
         """The request ended without saying anything about the replica's health (a rate
@@ -74,7 +76,7 @@ class Breaker:
         self.failures += 1
         self.probing = False
         if self.state == HALF_OPEN or self.failures >= self.policy.failures:
-            self.opened_at = time.monotonic()
+            self.opened_at = self.clock()
             self._set(OPEN)
 
 

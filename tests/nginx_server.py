@@ -8,8 +8,8 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from prometheus_server import free_port
 from servers import stop_process

@@ -6,9 +6,8 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
-
 
 from gateway import demo
 from prometheus_server import free_port
@@ -52,7 +51,8 @@ async def slogate(*args: str, ready_path: str, env: dict[str, str] | None = None
 
 
 @contextlib.asynccontextmanager
-async def sim_and_gateway(sim_args: tuple[str, ...] = (), config_toml: str = "") -> AsyncIterator[tuple[Proc, Proc]]:
+async def sim_and_gateway(sim_args: tuple[str, ...] = (),
+                          config_toml: str = "") -> AsyncIterator[tuple[Proc, Proc]]:
     """The simulator and a gateway in front of it, both as real processes. In `config_toml`,
     SIM_URL stands for the simulator's base URL."""
     async with slogate("sim", *sim_args, ready_path="/health") as sim:

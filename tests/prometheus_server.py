@@ -6,8 +6,8 @@ import shutil
 import socket
 import subprocess
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 import aiohttp
 
@@ -56,9 +56,11 @@ scrape_configs:
     static_configs:
       - targets: {targets!r}
 """)
-    log = open(tmp / "prometheus.log", "wb")
-    proc = subprocess.Popen([binary, f"--config.file={cfg}", f"--storage.tsdb.path={tmp / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=log)
+    with open(tmp / "prometheus.log", "wb") as log:  # the child keeps its own copy
+        proc = subprocess.Popen([binary, f"--config.file={cfg}",
+                                 f"--storage.tsdb.path={tmp / 'data'}",
+                                 f"--web.listen-address=127.0.0.1:{port}"],
+                                stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
         try:
@@ -68,5 +70,4 @@ scrape_configs:
         yield Prometheus(url)
     finally:
         stop_process(proc)
-        log.close()
         shutil.rmtree(tmp, ignore_errors=True)

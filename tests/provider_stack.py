@@ -2,12 +2,12 @@
 socket) in front of the engine simulator, with the gateway's access-log records at hand."""
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
@@ -17,6 +17,7 @@ from backends.sim import SimConfig, build_app as build_sim
 from gateway import config
 from gateway.server import build_app
 from servers import serve_app
+from waiting import wait_until
 
 FAST_SIM = dict(decode_base_ms=1.0, decode_per_seq_ms=0.0, prefill_tokens_per_s=1e7)
 UPSTREAM_KEY = "sk-upstream-secret"
@@ -43,11 +44,8 @@ class Stack:
     async def records(self, n: int = 1, timeout: float = 2.0) -> list[dict[str, Any]]:
         """The gateway's access-log records, once there are at least n (a request is logged
         just after its response ends, so the client may be a moment ahead)."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout
-        while len(self._log.records) < n:
-            assert loop.time() < end, f"expected {n} access-log records, got {self._log.records}"
-            await asyncio.sleep(0.005)
+        await wait_until(lambda: len(self._log.records) >= n, timeout,
+                         what=lambda: f"{n} access-log records (have {self._log.records})")
         return self._log.records
 
     async def get(self, url: str) -> Any:

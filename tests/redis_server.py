@@ -8,8 +8,8 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from prometheus_server import free_port
 
@@ -24,13 +24,12 @@ class RedisServer:
 
     def start(self) -> None:
         assert self.proc is None or self.proc.poll() is not None
-        log = open(self.tmp / "redis.log", "ab")
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.tmp),
-             "--save", "", "--appendonly", "no", "--daemonize", "no", "--protected-mode", "no",
-             "--loglevel", "warning"],
-            stdout=log, stderr=subprocess.STDOUT)
-        log.close()
+        with open(self.tmp / "redis.log", "ab") as log:  # the child keeps its own copy
+            self.proc = subprocess.Popen(
+                [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir",
+                 str(self.tmp), "--save", "", "--appendonly", "no", "--daemonize", "no",
+                 "--protected-mode", "no", "--loglevel", "warning"],
+                stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

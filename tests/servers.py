@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 

@@ -13,6 +13,7 @@ from gateway import config
 from gateway.admission.estimator import RLS, ReplicaEstimator
 from gateway.server import build_app
 from servers import serve_app
+from waiting import wait_until
 
 MSG = "word " * 10
 
@@ -105,8 +106,9 @@ async def test_overload_sheds_interactive_fast_and_queues_batch() -> None:
     async with serve_app(sim_app) as sim_url:
         cfg = gw([("a", sim_url)], admission={"max_concurrency": 8})
         async with serve_app(build_app(cfg)) as base, aiohttp.ClientSession() as s:
+            rng = random.Random(3)
             for _ in range(12):  # warm the estimators with light traffic
-                await stream(s, base, random.choice([400, 8000]), headers={"x-slo-class": "batch"})
+                await stream(s, base, rng.choice([400, 8000]), headers={"x-slo-class": "batch"})
             inter = [stream(s, base, 8000, max_tokens=30, headers={"x-slo-class": "interactive"})
                      for _ in range(60)]
             batch = [stream(s, base, 2000, max_tokens=20, headers={"x-slo-class": "batch"})
@@ -187,9 +189,13 @@ async def test_engine_metrics_show_load_from_clients_the_gateway_cannot_see() ->
                 await stream(s, base, 2000, headers={"x-slo-class": "interactive"})
             others = [asyncio.create_task(stream(s, sim_url, 2000, max_tokens=60))
                       for _ in range(10)]
-            await asyncio.sleep(0.5)
-            state = (await admission_state(s, base))["replicas"]["a"]
-            assert state["engine"]["waiting"] >= 5, state["engine"]
+
+            async def engine_queue_seen() -> bool:
+                state = (await admission_state(s, base))["replicas"]["a"]
+                return state["engine"]["waiting"] >= 5
+
+            await wait_until(engine_queue_seen, timeout=5.0, interval=0.05,
+                             what="the gateway scraping >= 5 requests waiting in the engine")
             late = await stream(s, base, 2000, headers={"x-slo-class": "interactive"})
             assert late["status"] == 429, late
             for t in others:

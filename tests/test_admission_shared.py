@@ -11,13 +11,14 @@ import os
 import signal
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 import aiohttp
 
 from procs import Proc, slogate
 from redis_server import RedisServer, redis_server
+from waiting import wait_until
 
 CAP = 4
 STEP_MS = 20  # the simulator's decode step: a request of N tokens holds its slot ~N x 20 ms
@@ -59,7 +60,7 @@ class Stack:
         return st["running"] + st["waiting"]
 
     @contextlib.asynccontextmanager
-    async def watching(self) -> AsyncIterator["Stack"]:
+    async def watching(self) -> AsyncIterator[Stack]:
         """Poll the simulator throughout the block; self.peak = most requests it held at once."""
         self.peak = 0
         stop = asyncio.Event()
@@ -108,13 +109,13 @@ class Stack:
         return out
 
     async def until_state(self, state: str, timeout: float = 5.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            states = [(await self.shared(g))["state"] for g in (self.a, self.b)]
-            if states == [state, state]:
-                return
-            assert time.monotonic() < deadline, f"gateways {states}, want {state}"
-            await asyncio.sleep(0.05)
+        async def states() -> list[str]:
+            return [(await self.shared(g))["state"] for g in (self.a, self.b)]
+
+        async def both() -> bool:
+            return await states() == [state, state]
+
+        await wait_until(both, timeout, interval=0.05, what=f"both gateways in state {state}")
 
 
 @contextlib.asynccontextmanager
@@ -161,10 +162,11 @@ async def test_two_gateways_enforce_one_global_cap_exactly() -> None:
 async def test_killed_gateway_releases_its_slots_after_the_lease() -> None:
     async with stack() as st:
         long = [asyncio.create_task(st.stream(st.a, 2000)) for _ in range(CAP)]  # ~40 s each
-        deadline = time.monotonic() + 5
-        while await st.at_sim() < CAP:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.02)
+
+        async def all_at_sim() -> bool:
+            return await st.at_sim() >= CAP
+
+        await wait_until(all_at_sim, timeout=5, interval=0.02, what=f"{CAP} streams at the sim")
         # A holds all four slots.
         os.kill(st.a.popen.pid, signal.SIGKILL)
         st.a.popen.wait()
@@ -241,14 +243,14 @@ async def test_a_hung_redis_costs_admission_one_short_timeout() -> None:
             assert time.monotonic() - t0 < 0.05  # no Redis calls while local
             st.release("r")  # 1 in flight here now
             os.kill(redis.proc.pid, signal.SIGCONT)
-            deadline = time.monotonic() + 5
-            while st.state != "redis":
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.02)
+            await wait_until(lambda: st.state == "redis", timeout=5, interval=0.02)
             assert int(await st.r.hget("slogate:inflight:r", st.gid)) == 1  # resynced
-            st.release("r")
-            await asyncio.sleep(0.05)
-            assert await st.r.hget("slogate:inflight:r", st.gid) is None
+            st.release("r")  # the release reaches Redis in the background
+
+            async def released() -> bool:
+                return await st.r.hget("slogate:inflight:r", st.gid) is None
+
+            await wait_until(released, timeout=2, what="the release reaching Redis")
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(redis.proc.pid, signal.SIGCONT)
@@ -273,9 +275,20 @@ async def test_a_cancelled_acquire_does_not_leak_its_slot() -> None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
                 assert task.cancelled()  # the caller sees its cancellation, not a slot
-            await asyncio.sleep(0.1)
+
+            def calls_in_flight() -> int:  # scripts sent, answers not yet back
+                return sum(1 for t in asyncio.all_tasks() if not t.done() and getattr(
+                    t.get_coro(), "__qualname__", "") == "SharedState._call")
+
+            async def settled() -> bool:
+                """No script or release still on its way, and no slot held in Redis (a script
+                that took one holds it there until its release lands)."""
+                if calls_in_flight() or st._tasks:
+                    return False
+                return await st.r.hget("slogate:inflight:c", st.gid) is None
+
+            await wait_until(settled, timeout=2, what="every abandoned script answered and undone")
             assert st.local.get("c", 0) == 0
-            assert await st.r.hget("slogate:inflight:c", st.gid) is None
             assert all([await st.try_acquire("c", 4) for _ in range(4)])  # all four are free
         finally:
             await st.close()

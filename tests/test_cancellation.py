@@ -11,11 +11,16 @@ from backends.sim import SimConfig, build_app as build_sim
 from gateway import config
 from gateway.server import build_app
 from servers import serve_app
+from waiting import wait_until
 
 
 async def sim_stats(session: aiohttp.ClientSession, sim_url: str) -> dict:
     async with session.get(sim_url + "/sim/stats") as r:
         return await r.json()
+
+
+async def sim_shows(session: aiohttp.ClientSession, sim_url: str, key: str, n: int) -> bool:
+    return (await sim_stats(session, sim_url))[key] == n
 
 
 def body(prompt_chars: int = 20, max_tokens: int = 200) -> dict:
@@ -39,21 +44,19 @@ async def test_disconnect_reaches_the_engine_within_100ms(phase: str) -> None:
             blocker = None
             if phase == "queued":
                 blocker = asyncio.create_task(s.post(url, json=body(max_tokens=100)))
-                await asyncio.sleep(0.2)
+                await wait_until(lambda: sim_shows(s, sim_url, "running", 1))
                 victim = await_task = asyncio.create_task(s.post(url, json=body()))
-                await asyncio.sleep(0.3)
-                assert (await sim_stats(s, sim_url))["waiting"] == 1
+                await wait_until(lambda: sim_shows(s, sim_url, "waiting", 1))
                 await_task.cancel()
             elif phase == "headers":  # the engine has not even answered with headers yet
                 victim = asyncio.create_task(s.post(url, json=body(),
                                                     headers={"x-sim-hang": "headers"}))
-                await asyncio.sleep(0.3)
+                await wait_until(lambda: sim_shows(s, sim_url, "hanging", 1))
                 victim.cancel()
             elif phase == "prefill":
                 # ~8000 prompt tokens at 2000 tok/s: 4 s of prefill.
                 victim = asyncio.create_task(s.post(url, json=body(prompt_chars=32000)))
-                await asyncio.sleep(0.5)
-                assert (await sim_stats(s, sim_url))["prefilling"] == 1
+                await wait_until(lambda: sim_shows(s, sim_url, "prefilling", 1))
                 victim.cancel()
             else:
                 r = await s.post(url, json=body())
@@ -62,19 +65,24 @@ async def test_disconnect_reaches_the_engine_within_100ms(phase: str) -> None:
                 r.close()
             t_cancel = time.monotonic()
             engine_phase = "queued" if phase == "headers" else phase  # the sim never queued it
-            for _ in range(100):
+
+            async def engine_cancelled() -> dict[str, int]:
                 stats = await sim_stats(s, sim_url)
-                if stats["cancellations"].get(engine_phase):
-                    break
-                await asyncio.sleep(0.005)
+                return stats["cancellations"] if stats["cancellations"].get(engine_phase) else {}
+
+            cancellations = await wait_until(engine_cancelled, timeout=1.0)
             elapsed = time.monotonic() - t_cancel
-            counted = {k: v for k, v in stats["cancellations"].items() if v}
+            counted = {k: v for k, v in cancellations.items() if v}
             assert counted == {engine_phase: 1}, counted
             assert elapsed < 0.1, elapsed
             if blocker is not None:
                 (await blocker).close()
-            await asyncio.sleep(0.05)
-            text = (await (await s.get(gw + "/metrics")).text())
-    gateway_phase = "decode" if phase == "decode" else "prefill"  # the gateway had sent it
-    assert (f'slogate_cancellations_total{{backend="sim",model="other",'
-            f'phase="{gateway_phase}",route="/v1/chat/completions"}} 1.0') in text
+            gateway_phase = "decode" if phase == "decode" else "prefill"  # the gateway sent it
+            line = (f'slogate_cancellations_total{{backend="sim",model="other",'
+                    f'phase="{gateway_phase}",route="/v1/chat/completions"}} 1.0')
+
+            async def gateway_counted() -> bool:
+                async with s.get(gw + "/metrics") as r:
+                    return line in await r.text()
+
+            await wait_until(gateway_counted, timeout=2.0, what=line)

@@ -5,7 +5,6 @@ nginx -t), the pieces point at each other, and the nginx config streams a real g
 without buffering."""
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import re
@@ -23,6 +22,7 @@ import yaml
 from gateway import config as gateway_config
 from procs import sim_and_gateway
 from prometheus_server import free_port
+from waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -44,7 +44,7 @@ def run(*cmd: str, **kw: Any) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, **kw)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def resolved(*profiles: str) -> dict[str, Any]:
     """The compose file as docker-compose resolves it (anchors, variables, profiles)."""
     args = [a for p in profiles for a in ("--profile", p)]
@@ -94,7 +94,7 @@ def test_services_profiles_and_mounted_files() -> None:
         assert services[name]["image"] == "slogate:local"
     # Every bind mount's source is in the repository.
     for name, svc in services.items():
-        for target, source in mounts(svc).items():
+        for source in mounts(svc).values():
             if source.startswith("/"):
                 assert Path(source).exists(), f"{name} mounts {source}, which does not exist"
 
@@ -241,15 +241,16 @@ async def test_nginx_config_streams_sse_unbuffered() -> None:
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             url = f"http://127.0.0.1:{port}"
             async with aiohttp.ClientSession(auto_decompress=False) as s:
-                for _ in range(200):
+
+                async def nginx_up() -> bool:
                     assert proc.poll() is None, proc.stderr.read().decode()
                     try:
                         async with s.get(url + "/healthz") as r:
-                            if r.status == 200:
-                                break
+                            return r.status == 200
                     except aiohttp.ClientError:
-                        pass
-                    await asyncio.sleep(0.05)
+                        return False
+
+                await wait_until(nginx_up, timeout=10, interval=0.05, what="nginx answering")
                 arrivals: list[float] = []
                 async with s.post(url + "/v1/chat/completions",
                                   headers={"x-sim-token-delay-ms": "200"},
@@ -273,5 +274,5 @@ async def test_nginx_config_streams_sse_unbuffered() -> None:
     assert len(arrivals) == 5, arrivals
     # Buffered, they would arrive together at the end; allow one pair to bunch up on a busy
     # machine.
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
     assert arrivals[-1] - arrivals[0] >= 0.5 and sum(g > 0.05 for g in gaps) >= 3, gaps

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import importlib.util
 import json
 import math
@@ -20,14 +21,16 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import aiohttp
 import yaml
 
 from procs import slogate
 from prometheus_server import free_port, prometheus
+from waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "dashboards" / "grafana" / "slogate.json"
@@ -135,7 +138,7 @@ def test_dashboard_structure() -> None:
         assert any(word in r for r in rows), (word, rows)
     for p in all_panels(dash):
         g = p["gridPos"]
-        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24, p["title"]
         for t in p.get("targets", []):
             if t["datasource"]["type"] == "prometheus":
                 # Panels follow the datasource variable, so the dashboard imports anywhere.
@@ -224,7 +227,7 @@ async def _load(gw: str) -> int:
     inter = {"x-slo-class": "interactive"}
     n = 0
     async with aiohttp.ClientSession() as s:
-        for wave in range(3):
+        for _wave in range(3):
             jobs = [_request(s, gw, headers=inter if i % 2 else None) for i in range(10)]
             # Groq-flavoured answers report the engine's queue, prefill and decode (in the
             # batch class: admitted whatever the queue, so the stage panels always get data).
@@ -241,6 +244,26 @@ async def _load(gw: str) -> int:
             n += len(jobs)
             await asyncio.sleep(1.2)  # a scrape between waves: rates see the counters move
     return n
+
+
+def _rfc3339(ts: str) -> float:
+    """Prometheus's timestamps (nanosecond fractions, `Z`) as Unix seconds."""
+    m = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?Z", ts)
+    assert m, ts
+    whole = datetime.datetime.fromisoformat(m[1] + "+00:00").timestamp()
+    return whole + float("0." + (m[2] or "0"))
+
+
+async def _rules_evaluated_since(session: aiohttp.ClientSession, prom_url: str, t0: float,
+                                 times: int) -> bool:
+    """Has every rule group been evaluated `times` times since t0 (Unix seconds)? Groups run
+    every `interval`, so that is: the last evaluation is at least (times - 1) intervals after
+    t0."""
+    async with session.get(prom_url + "/api/v1/rules") as r:
+        groups = (await r.json())["data"]["groups"]
+    assert groups, "no rule groups loaded"
+    return all(_rfc3339(g["lastEvaluation"]) >= t0 + (times - 1) * g["interval"]
+               for g in groups)
 
 
 async def _query(session: aiohttp.ClientSession, prom_url: str, expr: str) -> dict[str, Any]:
@@ -270,14 +293,23 @@ async def test_every_dashboard_and_rule_expression_returns_data_from_a_real_gate
             async with slogate("serve", "--config", str(cfg), ready_path="/readyz",
                                port=port) as gw, aiohttp.ClientSession() as s:
                 deadline = time.monotonic() + 20
-                while await prom.scalar('up{job="slogate"}') != 1:  # scraped once before load
-                    assert time.monotonic() < deadline, "Prometheus never scraped the gateway"
-                    await asyncio.sleep(0.2)
+
+                async def scraped() -> bool:  # once before the load
+                    return await prom.scalar('up{job="slogate"}') == 1
+
+                await wait_until(scraped, timeout=20, interval=0.2,
+                                 what="Prometheus scraping the gateway")
                 n = await _load(gw.url)
-                while await prom.scalar("sum(slogate_requests_total)") != n:
-                    assert time.monotonic() < deadline + 15, "Prometheus never saw every request"
-                    await asyncio.sleep(0.2)
-                await asyncio.sleep(2.5)  # two more rule evaluations over the final counts
+
+                async def saw_every_request() -> bool:
+                    return await prom.scalar("sum(slogate_requests_total)") == n
+
+                await wait_until(saw_every_request, max(0.0, deadline + 15 - time.monotonic()),
+                                 interval=0.2, what="Prometheus seeing every request")
+                t_final = time.time()
+                # Two more rule evaluations over the final counts.
+                await wait_until(lambda: _rules_evaluated_since(s, prom.url, t_final, times=2),
+                                 timeout=10, interval=0.2, what="two rule evaluations")
                 await _check_everything(s, prom.url, dash, variables, recorded, alerts)
         finally:
             cfg.unlink(missing_ok=True)
@@ -331,9 +363,11 @@ async def _check_everything(s: aiohttp.ClientSession, prom_url: str, dash: dict[
     for g in groups:
         for rule in g["rules"]:
             if rule.get("health") != "ok" or rule.get("lastError"):
-                problems.append(f"rule {rule['name']}: {rule.get('health')} {rule.get('lastError')}")
+                problems.append(f"rule {rule['name']}: {rule.get('health')} "
+                                f"{rule.get('lastError')}")
     assert sum(len(g["rules"]) for g in groups) == len(recorded) + len(alerts)
 
     for metric in sorted(set(came_alive)):
-        problems.append(f"{metric} has data now: remove it from PENDING in tests/test_dashboards.py")
+        problems.append(f"{metric} has data now: remove it from PENDING in "
+                        "tests/test_dashboards.py")
     assert not problems, "\n".join(problems)

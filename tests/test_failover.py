@@ -22,6 +22,7 @@ from procs import sim_and_gateway
 from prometheus_server import free_port
 from servers import serve_app
 from upstreams import REQUESTS, scripted_app
+from waiting import wait_until
 
 FAST = dict(decode_base_ms=2, decode_per_seq_ms=0, prefill_tokens_per_s=1e6)
 MSG = [{"role": "user", "content": "hello"}]
@@ -81,10 +82,12 @@ async def test_stall_on_one_replica_fails_over_to_the_next() -> None:
     (server,) = otlp[RECEIVER].by_name("chat m")
     assert len(spans) == 2 and all(s.parent_id == server.span_id for s in spans)
     first, second = sorted(spans, key=lambda s: s.start)
-    assert first.attrs["slogate.backend"] == "a" and first.attrs["error.type"] == "first_token_timeout"
+    assert first.attrs["slogate.backend"] == "a"
+    assert first.attrs["error.type"] == "first_token_timeout"
     assert second.attrs["slogate.backend"] == "b" and "error.type" not in second.attrs
     assert first.end <= second.start
-    assert metric(text_m, "slogate_upstream_attempts_total", backend="a", result="first_token_timeout") == 1
+    assert metric(text_m, "slogate_upstream_attempts_total", backend="a",
+                  result="first_token_timeout") == 1
     assert metric(text_m, "slogate_upstream_attempts_total", backend="b", result="ok") == 1
     assert sum(a_stats["cancellations"].values()) == 1  # A was told at once
 
@@ -107,7 +110,8 @@ async def test_role_chunk_and_pings_are_not_a_first_token() -> None:
 def flaky_upstream(failures: list[tuple[int, dict[str, str]]]) -> web.Application:
     """Answers the listed (status, headers) first, then streams a short answer."""
     app = scripted_app([
-        b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"ok"},"finish_reason":null}]}\n\n',
+        b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+        b'"choices":[{"index":0,"delta":{"content":"ok"},"finish_reason":null}]}\n\n',
         b"data: [DONE]\n\n"])
     queue = list(failures)
 
@@ -185,7 +189,8 @@ def tokens(n: int, gap: float) -> list:
     out: list = []
     for i in range(n):
         out += [b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
-                b'"choices":[{"index":0,"delta":{"content":"t%d "},"finish_reason":null}]}\n\n' % i, gap]
+                b'"choices":[{"index":0,"delta":{"content":"t%d "},"finish_reason":null}]}\n\n'
+                % i, gap]
     return out
 
 
@@ -242,10 +247,10 @@ async def test_keepalive_pings_keep_a_silent_stream_alive_through_nginx() -> Non
                     assert r.status == 200
                     async for line in r.content:
                         seen.append((time.monotonic() - t0, line))
-    lines = [l for _, l in seen]
+    lines = [line for _, line in seen]
     assert lines[-2:] == [b"data: [DONE]\n", b"\n"]
-    pings = [t for t, l in seen if l == b": ping\n"]
-    first_token = next(t for t, l in seen if b"t0 " in l)
+    pings = [t for t, line in seen if line == b": ping\n"]
+    first_token = next(t for t, line in seen if b"t0 " in line)
     assert first_token < 1.0  # not held back by nginx or gzip
     assert len(pings) >= 6 and pings[0] < 1.5  # every 0.5 s of silence, as they happen
 
@@ -259,13 +264,14 @@ async def test_breaker_opens_after_failures_and_closes_after_the_probe() -> None
             for _ in range(6):  # every request succeeds: A's failures fail over to B
                 assert (await sdk_stream(base, max_tokens=2))[0]
             m = await metrics_text(base)
-            assert metric(m, "slogate_upstream_attempts_total", backend="a", result="connect_error") == 2
+            assert metric(m, "slogate_upstream_attempts_total", backend="a",
+                          result="connect_error") == 2
             assert metric(m, "slogate_backend_breaker_state", backend="a") == 2  # open
             async with aiohttp.ClientSession() as s, s.get(base + "/readyz") as r:
                 assert r.status == 200  # B still serves the model
             # A comes back; after the cooldown one probe closes the breaker.
             async with serve_app(build_sim(SimConfig(**FAST)), port=dead_port):
-                await asyncio.sleep(1.1)
+                await asyncio.sleep(1.1)  # the 1 s cooldown passes (the gateway's real clock)
                 for _ in range(4):
                     assert (await sdk_stream(base, max_tokens=2))[0]
                 m = await metrics_text(base)
@@ -297,9 +303,12 @@ async def test_active_health_check_marks_a_replica_down() -> None:
                        "health_path": "/nope", "health_interval_s": 0.1}
         cfg = config.parse({"auth": {"mode": "open"}, "backends": [raw_backend]}, env={})
         async with serve_app(build_app(cfg)) as base, aiohttp.ClientSession() as s:
-            await asyncio.sleep(0.3)
-            async with s.get(base + "/readyz") as r:
-                assert r.status == 503
+
+            async def not_ready() -> bool:  # the first check (every 0.1 s) gets a 404
+                async with s.get(base + "/readyz") as r:
+                    return r.status == 503
+
+            await wait_until(not_ready, timeout=2, what="/readyz answering 503")
 
 
 async def test_sigterm_drains_live_streams() -> None:
@@ -338,9 +347,13 @@ models = ["m"]
             await asyncio.wait_for(started.wait(), 10)
             t0 = time.monotonic()
             gwp.popen.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.15)
-            async with s.get(gwp.url + "/readyz") as r:
-                assert r.status == 503  # the balancer learns first
+
+            async def not_ready() -> bool:
+                async with s.get(gwp.url + "/readyz") as r:
+                    return r.status == 503
+
+            # the balancer learns first
+            await wait_until(not_ready, timeout=2, what="/readyz answering 503 after SIGTERM")
             bodies = await asyncio.gather(*tasks)
             code = await asyncio.to_thread(gwp.popen.wait, 10)
             elapsed = time.monotonic() - t0

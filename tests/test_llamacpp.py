@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 
 from llamacpp import llamacpp_fixture, llamacpp_server, require_llamacpp
+from waiting import wait_until
 
 llamacpp = llamacpp_fixture(scope="module")
 
@@ -157,11 +158,9 @@ async def test_client_disconnect_stops_generation(llamacpp):
     # 1500 tokens take >= 20 s here (~20-80 ms/token on 2 cores); a stopped generation
     # frees the model at once.
     assert waited < 10, waited
-    for _ in range(50):  # the server prints this when it notices the disconnect
-        if "Disconnected from client" in llamacpp.log_text():
-            break
-        await asyncio.sleep(0.1)
-    assert "Disconnected from client" in llamacpp.log_text()
+    # the server prints this when it notices the disconnect
+    await wait_until(lambda: "Disconnected from client" in llamacpp.log_text(), timeout=5,
+                     interval=0.1, what="llama.cpp logging the disconnect")
     assert time.monotonic() - t_disc < 15
 
 
@@ -225,7 +224,8 @@ async def test_through_the_gateway_same_stream_and_recorded_timeline(llamacpp, c
     base = llamacpp.base_url  # ends with /v1
     cfg = config.parse({"auth": {"mode": "open"}, "server": {"access_log": True},
                         "backends": [{"name": "llamacpp", "base_url": base, "provider": "llama.cpp",
-                                      "models": [llamacpp.model], "aliases": {"gemma": llamacpp.model}}]},
+                                      "models": [llamacpp.model],
+                                      "aliases": {"gemma": llamacpp.model}}]},
                        env={})
 
     async def collect(url: str, model: str) -> str:

@@ -3,8 +3,9 @@ gateway key is a 401 in the client's own error format and the upstream sees only
 an upstream 429 with Retry-After reaches the SDK, whose own retry then works."""
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import anthropic

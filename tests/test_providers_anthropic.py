@@ -72,7 +72,8 @@ async def test_thinking_deltas_come_first() -> None:
         async with c.messages.stream(
                 model="m", max_tokens=2048, messages=MESSAGES,
                 thinking={"type": "enabled", "budget_tokens": 1024},
-                extra_headers={"x-sim-reasoning-tokens": "4", "x-sim-output-tokens": "9"}) as stream:
+                extra_headers={"x-sim-reasoning-tokens": "4",
+                               "x-sim-output-tokens": "9"}) as stream:
             kinds = [e.type async for e in stream if e.type in ("thinking", "text", "signature")]
             final = await stream.get_final_message()
         await c.close()

@@ -72,4 +72,5 @@ async def test_tcp_warming_is_answered_by_the_gateway(caplog) -> None:
         seen = await s.sim_requests()
     assert not seen  # the upstream was not bothered
     assert "TCP Warming had exception" not in caplog.text
-    assert 'GET http://127.0.0.1' in caplog.text and '/v1/tcp_warming "HTTP/1.1 200 OK"' in caplog.text
+    assert 'GET http://127.0.0.1' in caplog.text
+    assert '/v1/tcp_warming "HTTP/1.1 200 OK"' in caplog.text

@@ -54,8 +54,9 @@ async def test_stream_x_groq_timings_become_provider_stages() -> None:
     assert first.completion_tokens == second.completion_tokens == 5
     for rec in recs:
         assert rec["route"] == ROUTE and rec["completion_tokens"] == 5
+        queue_ms = rec["ms"]["provider_queue"]
         assert_provider_stages(rec, next(u for u in usage.values()
-                                         if abs(u.queue_time * 1e3 - rec["ms"]["provider_queue"]) < 1e-3))
+                                         if abs(u.queue_time * 1e3 - queue_ms) < 1e-3))
     for stage in ("queue", "prefill", "decode"):
         assert re.search(rf'slogate_provider_{stage}_seconds_count\{{backend="sim",model="m",'
                          rf'route="{ROUTE}"\}} 2\.0', prom), stage

@@ -111,7 +111,8 @@ async def test_responses_stream_helper_and_whole() -> None:
     assert kinds.count("response.reasoning_text.delta") == 2
     assert kinds.count("response.output_text.delta") == 5
     assert final.output_text == whole.output_text and final.output_text
-    assert final.usage.output_tokens == 7 and final.usage.output_tokens_details.reasoning_tokens == 2
+    assert final.usage.output_tokens == 7
+    assert final.usage.output_tokens_details.reasoning_tokens == 2
     assert rec["route"] == "/v1/responses" and rec["outcome"] == "ok"
     assert rec["completion_tokens"] == 7 and rec["prompt_tokens"] == final.usage.input_tokens
     assert rec["token_events"] == 7 and rec["ms"]["ttft"] < rec["ms"]["first_visible"]
@@ -119,7 +120,8 @@ async def test_responses_stream_helper_and_whole() -> None:
 
 
 async def test_responses_function_call() -> None:
-    tools = [{"type": "function", "name": "lookup", "parameters": TOOLS[0]["function"]["parameters"]}]
+    tools = [{"type": "function", "name": "lookup",
+              "parameters": TOOLS[0]["function"]["parameters"]}]
     async with stack() as s:
         c = client(s.gw)
         async with c.responses.stream(model="m", input="Look it up.", tools=tools,

@@ -7,16 +7,17 @@ import asyncio
 import contextlib
 import statistics
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import openai
 import orjson
 import pytest
 
-from backends.sim import SimConfig, build_app
-from backends.sim import cli as sim_cli
+from backends.sim import SimConfig, build_app, cli as sim_cli
 from servers import serve_app
+from waiting import wait_until
 
 FAST = dict(decode_base_ms=2.0, decode_per_seq_ms=0.0, prefill_tokens_per_s=1e9)
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Tell me about rivers."}]}
@@ -52,15 +53,6 @@ async def stats(url: str) -> dict[str, Any]:
     return await get_json(url + "/sim/stats")
 
 
-async def wait_for(pred: Any, timeout: float = 2.0) -> None:
-    end = time.monotonic() + timeout
-    while True:
-        if await pred():
-            return
-        assert time.monotonic() < end, "condition not reached"
-        await asyncio.sleep(0.005)
-
-
 class RawStream:
     """A hand-written HTTP/1.1 client: exact bytes, exact timing, abrupt close."""
 
@@ -71,7 +63,7 @@ class RawStream:
 
     @classmethod
     async def open(cls, url: str, body: dict[str, Any], path: str = "/v1/chat/completions",
-                   headers: dict[str, str] | None = None) -> "RawStream":
+                   headers: dict[str, str] | None = None) -> RawStream:
         host, port = url.removeprefix("http://").split(":")
         r, w = await asyncio.open_connection(host, int(port))
         data = orjson.dumps(body)
@@ -85,7 +77,8 @@ class RawStream:
         head = await self.reader.readuntil(b"\r\n\r\n")
         lines = head.decode().split("\r\n")
         self.status = int(lines[0].split()[1])
-        self.headers = {k.lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:] if ln)}
+        self.headers = {k.lower(): v.strip()
+                        for k, v in (ln.split(":", 1) for ln in lines[1:] if ln)}
 
     async def read_chunk(self) -> bytes | None:
         """One chunked-encoding chunk; None at the terminating chunk."""
@@ -131,7 +124,7 @@ async def stream_times(url: str, body: dict[str, Any], headers: dict[str, str] |
 
 
 def itl(times: list[float]) -> float:
-    return statistics.median(b - a for a, b in zip(times, times[1:]))
+    return statistics.median(b - a for a, b in zip(times, times[1:], strict=False))
 
 
 # --- the official SDK ----------------------------------------------------------------------------
@@ -141,10 +134,12 @@ async def test_sdk_chat_stream_nonstream_and_usage() -> None:
         client = sdk(url)
         chunks = [c async for c in await client.chat.completions.create(
             **CHAT, stream=True, max_tokens=8, stream_options={"include_usage": True})]
-        assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+        first = chunks[0].choices[0].delta
+        assert first.role == "assistant" and first.content == ""
         text_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
         assert len(text_chunks) == 8
-        assert chunks[-2].choices[0].finish_reason == "length" and not chunks[-2].choices[0].delta.content
+        finish = chunks[-2].choices[0]
+        assert finish.finish_reason == "length" and not finish.delta.content
         assert chunks[-1].choices == [] and chunks[-1].usage is not None
         assert chunks[-1].usage.completion_tokens == 8
         assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + 8
@@ -153,7 +148,8 @@ async def test_sdk_chat_stream_nonstream_and_usage() -> None:
         streamed = "".join(c.choices[0].delta.content for c in text_chunks)
 
         # no include_usage: no usage chunk, every chunk has a choice
-        chunks2 = [c async for c in await client.chat.completions.create(**CHAT, stream=True, max_tokens=8)]
+        chunks2 = [c async for c in await client.chat.completions.create(**CHAT, stream=True,
+                                                                         max_tokens=8)]
         assert all(c.choices for c in chunks2) and all(c.usage is None for c in chunks2)
 
         full = await client.chat.completions.create(**CHAT, max_tokens=8)
@@ -186,15 +182,18 @@ async def test_sdk_completions_stream_and_nonstream() -> None:
 
 async def test_raw_wire_format_is_vllm_like() -> None:
     async with sim() as url:
-        _, _, evs = await stream_times(url, {**CHAT, "max_tokens": 3, "stream_options": {"include_usage": True}})
+        _, _, evs = await stream_times(url, {**CHAT, "max_tokens": 3,
+                                             "stream_options": {"include_usage": True}})
         assert evs[-1] == b"data: [DONE]"
         objs = [orjson.loads(ev[6:]) for ev in evs[:-1]]
-        for ev, o in zip(evs, objs):
+        for ev, o in zip(evs, objs, strict=False):
             assert ev == b"data: " + orjson.dumps(o)  # compact JSON, one line
-            assert set(o) == ({"id", "object", "created", "model", "choices"} | ({"usage"} if not o["choices"] else set()))
+            assert set(o) == ({"id", "object", "created", "model", "choices"}
+                              | ({"usage"} if not o["choices"] else set()))
         assert objs[0]["choices"][0] == {"index": 0, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}
-        assert objs[4]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+        assert objs[4]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
+                                         "finish_reason": "length"}
         assert objs[5]["usage"] == {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}
 
 
@@ -206,7 +205,8 @@ async def test_headers_sent_before_queueing_and_role_with_first_token() -> None:
         t0 = time.monotonic()
         queued = await RawStream.open(url, {**CHAT, "stream": True, "max_tokens": 2})
         await asyncio.wait_for(queued.read_headers(), 1)
-        assert queued.status == 200 and queued.headers["content-type"].startswith("text/event-stream")
+        assert queued.status == 200
+        assert queued.headers["content-type"].startswith("text/event-stream")
         assert time.monotonic() - t0 < 0.5
         assert (await stats(url))["waiting"] == 1
         busy.close()
@@ -230,7 +230,8 @@ async def test_ttft_rises_with_queue_depth() -> None:
 async def test_ttft_rises_with_prompt_length() -> None:
     async with sim(prefill_tokens_per_s=200_000.0, prefill_chunk_tokens=4096) as url:
         short, _, _ = await stream_times(url, {**CHAT, "max_tokens": 2})
-        long_prompt = {"model": "m", "messages": [{"role": "user", "content": "x" * 120_000}], "max_tokens": 2}
+        long_prompt = {"model": "m", "messages": [{"role": "user", "content": "x" * 120_000}],
+                       "max_tokens": 2}
         long, _, _ = await stream_times(url, long_prompt)  # 30k tokens: 150 ms of prefill
         assert long > 5 * short and long > 0.1
 
@@ -249,7 +250,8 @@ async def test_sim_config_changes_speed_at_runtime() -> None:
         body = {**CHAT, "max_tokens": 12}
         _, fast, _ = await stream_times(url, body)
         async with aiohttp.ClientSession() as s:
-            async with s.post(url + "/sim/config", json={"decode_base_ms": 20, "max-batch": 8}) as r:
+            async with s.post(url + "/sim/config",
+                              json={"decode_base_ms": 20, "max-batch": 8}) as r:
                 assert r.status == 200
                 cfg = await r.json()
                 assert cfg["decode_base_ms"] == 20.0 and cfg["max_batch"] == 8
@@ -265,7 +267,8 @@ async def test_prefix_cache_skips_shared_prefill() -> None:
     async with sim(prefill_tokens_per_s=100_000.0, prefix_cache_bytes=40_000) as url:
         system = "s" * 40_000  # 10k tokens = 100 ms of prefill
         body = {"model": "m", "max_tokens": 2, "stream_options": {"include_usage": True},
-                "messages": [{"role": "system", "content": system}, {"role": "user", "content": "one"}]}
+                "messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": "one"}]}
         cold, _, _ = await stream_times(url, body)
         body["messages"][1]["content"] = "two"
         warm, _, evs = await stream_times(url, body)
@@ -309,7 +312,8 @@ async def test_fault_stall_and_slow_tokens() -> None:
 
 async def test_fault_cut_after() -> None:
     async with sim() as url:
-        rs = await RawStream.open(url, {**CHAT, "stream": True, "max_tokens": 20}, headers={"x-sim-cut-after": "3"})
+        rs = await RawStream.open(url, {**CHAT, "stream": True, "max_tokens": 20},
+                                  headers={"x-sim-cut-after": "3"})
         await rs.read_headers()
         evs = []
         with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
@@ -322,8 +326,10 @@ async def test_fault_cut_after() -> None:
             async for _ in await sdk(url).chat.completions.create(
                     **CHAT, stream=True, max_tokens=20, extra_headers={"x-sim-cut-after": "2"}):
                 pass
-        with pytest.raises(openai.APIConnectionError):  # non-streaming: connection closed, no response
-            await sdk(url).chat.completions.create(**CHAT, max_tokens=20, extra_headers={"x-sim-cut-after": "2"})
+        # non-streaming: connection closed, no response
+        with pytest.raises(openai.APIConnectionError):
+            await sdk(url).chat.completions.create(**CHAT, max_tokens=20,
+                                                   extra_headers={"x-sim-cut-after": "2"})
 
 
 async def test_fault_error_after() -> None:
@@ -338,23 +344,28 @@ async def test_fault_error_after() -> None:
                     **CHAT, stream=True, max_tokens=20, extra_headers={"x-sim-error-after": "1"}):
                 pass
         with pytest.raises(openai.InternalServerError):  # non-streaming: a 500 after the tokens
-            await sdk(url).chat.completions.create(**CHAT, max_tokens=20, extra_headers={"x-sim-error-after": "1"})
+            await sdk(url).chat.completions.create(**CHAT, max_tokens=20,
+                                                   extra_headers={"x-sim-error-after": "1"})
         st = await stats(url)
         assert st["running"] == 0 and st["faults"]["error"] == 3
 
 
-@pytest.mark.parametrize("status,exc", [(429, openai.RateLimitError), (503, openai.InternalServerError),
-                                        (529, openai.InternalServerError), (500, openai.InternalServerError)])
+@pytest.mark.parametrize("status,exc", [(429, openai.RateLimitError),
+                                        (503, openai.InternalServerError),
+                                        (529, openai.InternalServerError),
+                                        (500, openai.InternalServerError)])
 async def test_fault_status(status: int, exc: type) -> None:
     async with sim() as url:
         async with aiohttp.ClientSession() as s:
             async with s.post(url + "/v1/chat/completions", json={**CHAT, "stream": True},
-                              headers={"x-sim-status": str(status), "x-sim-retry-after": "1.5"}) as r:
+                              headers={"x-sim-status": str(status),
+                                       "x-sim-retry-after": "1.5"}) as r:
                 assert r.status == status and r.headers["Retry-After"] == "1.5"
                 err = (await r.json())["error"]
                 assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
         with pytest.raises(exc):
-            await sdk(url).chat.completions.create(**CHAT, extra_headers={"x-sim-status": str(status)})
+            await sdk(url).chat.completions.create(**CHAT,
+                                                   extra_headers={"x-sim-status": str(status)})
         assert (await stats(url))["submitted"] == 0
 
 
@@ -364,7 +375,7 @@ async def test_fault_hang_headers_and_first_token_with_pings() -> None:
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(rs.reader.read(1), 0.15)
         rs.close()
-        await wait_for(lambda: _cancelled(url, "queued", 1))
+        await wait_until(lambda: _cancelled(url, "queued", 1), timeout=2.0)
 
         rs = await RawStream.open(url, {**CHAT, "stream": True},
                                   headers={"x-sim-hang": "first_token", "x-sim-ping-ms": "40"})
@@ -398,7 +409,8 @@ async def test_fault_role_first_and_forced_output_length() -> None:
 
 async def test_fault_defaults_from_knobs() -> None:
     async with sim(fault_status=503, retry_after_s=2) as url:
-        async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+        async with aiohttp.ClientSession() as s, \
+                s.post(url + "/v1/completions", json={"prompt": "x"}) as r:
             assert r.status == 503 and r.headers["Retry-After"] == "2"
 
 
@@ -411,7 +423,7 @@ async def _cancelled(url: str, phase: str, n: int) -> bool:
 async def _close_and_check(url: str, rs: RawStream, phase: str, running: int = 0) -> None:
     t_close = time.monotonic()
     rs.close()
-    await wait_for(lambda: _cancelled(url, phase, 1), 1.0)
+    await wait_until(lambda: _cancelled(url, phase, 1), timeout=1.0)
     st = await stats(url)
     assert st["cancellation_times"][-1]["phase"] == phase
     assert st["cancellation_times"][-1]["monotonic"] - t_close < 0.1
@@ -438,7 +450,7 @@ async def test_disconnect_during_prefill() -> None:
         rs = await RawStream.open(url, {"model": "m", "stream": True, "prompt": "p" * 40_000},
                                   path="/v1/completions")
         await rs.read_headers()
-        await wait_for(lambda: _prefilling(url))
+        await wait_until(lambda: _prefilling(url), timeout=2.0)
         await _close_and_check(url, rs, "prefill")
 
 
@@ -454,10 +466,10 @@ async def test_disconnect_during_decode_nonstream_too() -> None:
         await _close_and_check(url, rs, "decode")
         # a non-streaming request abandoned mid-decode is cancelled too
         rs = await RawStream.open(url, {**CHAT, "max_tokens": 5000})
-        await wait_for(lambda: _running(url))
+        await wait_until(lambda: _running(url), timeout=2.0)
         t_close = time.monotonic()
         rs.close()
-        await wait_for(lambda: _cancelled(url, "decode", 2), 1.0)
+        await wait_until(lambda: _cancelled(url, "decode", 2), timeout=1.0)
         assert (await stats(url))["cancellation_times"][-1]["monotonic"] - t_close < 0.1
 
 
@@ -468,7 +480,8 @@ async def test_validation_errors_are_openai_400s() -> None:
         bad: list[tuple[str, Any, str | None]] = [
             ("/v1/chat/completions", b"{not json", None),
             ("/v1/chat/completions", {"model": "m"}, "messages"),
-            ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+            ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}},
+             "stream_options"),
             ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, "max_tokens"),
             ("/v1/chat/completions", {**CHAT, "n": 2}, "n"),
             ("/v1/chat/completions", {**CHAT, "max_tokens": 999}, "messages"),
@@ -482,7 +495,8 @@ async def test_validation_errors_are_openai_400s() -> None:
                 async with s.post(url + path, data=data, headers=hdrs) as r:
                     assert r.status == 400, (path, body)
                     err = (await r.json())["error"]
-                    assert err["type"] == "BadRequestError" and err["code"] == 400 and err["param"] == param
+                    assert err["type"] == "BadRequestError" and err["code"] == 400
+                    assert err["param"] == param
                     assert err["message"]
         with pytest.raises(openai.BadRequestError):
             await sdk(url).chat.completions.create(model="m", messages=[])
@@ -490,7 +504,8 @@ async def test_validation_errors_are_openai_400s() -> None:
 
 async def test_max_waiting_answers_503() -> None:
     async with sim(max_batch=1, max_waiting=1) as url:
-        streams = [await RawStream.open(url, {**CHAT, "stream": True, "max_tokens": 1000}) for _ in range(2)]
+        streams = [await RawStream.open(url, {**CHAT, "stream": True, "max_tokens": 1000})
+                   for _ in range(2)]
         for rs in streams:
             await rs.read_headers()
         third = await RawStream.open(url, {**CHAT, "stream": True})
@@ -504,8 +519,10 @@ async def test_metrics_stats_and_request_log() -> None:
     async with sim(served_model_names=["a", "b"], api_key="sk-sim") as url:
         client = sdk(url)
         await client.chat.completions.create(
-            **CHAT, max_tokens=3, extra_headers={"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"})
-        async for _ in await client.completions.create(model="m", prompt="hi", max_tokens=3, stream=True,
+            **CHAT, max_tokens=3,
+            extra_headers={"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"})
+        async for _ in await client.completions.create(model="m", prompt="hi", max_tokens=3,
+                                                       stream=True,
                                                        stream_options={"include_usage": True}):
             pass
         log = await get_json(url + "/sim/requests")
@@ -521,14 +538,16 @@ async def test_metrics_stats_and_request_log() -> None:
                 text = await r.text()
             async with s.get(url + "/health") as r:
                 assert r.status == 200
-        for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+        for name in ["vllm:num_requests_running", "vllm:num_requests_waiting",
+                     "vllm:kv_cache_usage_perc",
                      'vllm:prompt_tokens_total{engine="0",model_name="a"} 7.0',
                      'vllm:generation_tokens_total{engine="0",model_name="a"} 6.0',
                      'sim_cancellations_total{phase="queued"} 0.0', "sim_requests_total 2.0",
                      "vllm:time_to_first_token_seconds_bucket"]:
             assert name in text
         st = await stats(url)
-        assert st["completed"] == 2 and st["cancellations"] == {"queued": 0, "prefill": 0, "decode": 0}
+        assert st["completed"] == 2
+        assert st["cancellations"] == {"queued": 0, "prefill": 0, "decode": 0}
 
 
 async def test_instances_are_independent() -> None:

@@ -43,7 +43,8 @@ async def test_one_engine_behind_every_format() -> None:
         await an.close()
     text = chat.choices[0].message.content
     assert text and len(text.split()) >= 3
-    assert groq_path.choices[0].message.content == resp.output_text == message.content[0].text == text
+    assert (groq_path.choices[0].message.content == resp.output_text == message.content[0].text
+            == text)
     assert groq_path.x_groq["id"]  # /openai/v1 answers in the Groq flavour
 
 

@@ -11,8 +11,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gateway.sse import SSEParser
 
@@ -62,7 +61,8 @@ def split_lines(raw: bytes) -> list[Line]:
         c = text[i]
         if c == "\n" or c == "\r":
             t_end = i + 2 if c == "\r" and i + 1 < n and text[i + 1] == "\n" else i + 1
-            lines.append(Line(byte_start(line_start), offs[i], offs[t_end], text[line_start:i], True))
+            lines.append(Line(byte_start(line_start), offs[i], offs[t_end], text[line_start:i],
+                              True))
             i = line_start = t_end
         else:
             i += 1
@@ -120,12 +120,13 @@ def norm_event(name: bytes | None) -> str:
 
 def chunk_bounds(n: int, cuts: list[int]) -> list[tuple[int, int]]:
     pts = [0, *sorted(set(c for c in cuts if 0 < c < n)), n]
-    return list(zip(pts, pts[1:]))
+    return list(zip(pts, pts[1:], strict=False))
 
 
 def expected_hold(lines: list[Line], bounds: list[tuple[int, int]]) -> list[int | None]:
     """hold_from expected after each chunk: where the bytes of a field line of an event not yet
-    dispatched, or of an unterminated line, begin (-1: in an earlier chunk; None: there are none)."""
+    dispatched, or of an unterminated line, begin (-1: in an earlier chunk; None: there are
+    none)."""
     out: list[int | None] = []
     k = 0
     pending_field: int | None = None
@@ -155,7 +156,8 @@ def expected_events(ref: list[RefEvent], bounds: list[tuple[int, int]]):
             j += 1
         s, e = bounds[j]
         # CRLF split across reads: the parser dispatches at the CR.
-        end = b.term_start + 1 if (b.term_end - b.term_start == 2 and b.term_start == e - 1) else b.term_end
+        crlf_split = b.term_end - b.term_start == 2 and b.term_start == e - 1
+        end = b.term_start + 1 if crlf_split else b.term_end
         start = ev.start - s if ev.start >= s else -1
         out.append((ev.event, ev.data, j, start, end - s))
     return out
@@ -226,7 +228,8 @@ def field_line(draw) -> str:
     if kind == "comment":
         return ":" + draw(value_text)
     if kind == "unknown":
-        return draw(st.sampled_from(["foo", "Data", "DATA", " data", "data ", "ev"])) + ":" + draw(value_text)
+        name = draw(st.sampled_from(["foo", "Data", "DATA", " data", "data ", "ev"]))
+        return name + ":" + draw(value_text)
     if kind == "nocolon":
         return draw(st.sampled_from(["x", "dat", "eventx", "id", "retry", "é"]))
     # occasionally a very long line
@@ -285,7 +288,8 @@ def test_incremental_matches_reference(data):
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["data: a", "data:", ": c", "event: e", "id: 1", "x", ""]),
+@given(st.lists(st.tuples(st.sampled_from(["data: a", "data:", ": c", "event: e", "id: 1", "x",
+                                           ""]),
                           _term), max_size=12),
        st.data())
 def test_small_streams_every_byte(lines, data):
@@ -315,7 +319,8 @@ def test_reference_parser_spec_examples():
     assert ref_pairs(b"event: add\ndata: 73857293\n\nevent: remove\ndata: 2153\n\n") == [
         ("add", "73857293"), ("remove", "2153")]
     assert ref_pairs(b"event: x\n\ndata: y\n\n") == [("message", "y")]
-    assert ref_pairs(b"\xef\xbb\xbfdata: a\r\rdata: b\r\n\r\n") == [("message", "a"), ("message", "b")]
+    assert ref_pairs(b"\xef\xbb\xbfdata: a\r\rdata: b\r\n\r\n") == [("message", "a"),
+                                                                ("message", "b")]
     assert ref_pairs(b"data: a\x0bb\xc2\x85c\n\n") == [("message", "a\x0bb\x85c")]
 
 
@@ -448,7 +453,8 @@ def test_long_line_linear_time():
         if len(out) == 0:
             assert p.hold_from in (0, -1)
     dt = time.perf_counter() - t0
-    assert [(e.data == b"x" * (1 << 20), e.start, e.end) for e in out] == [(True, -1, len(chunks[-1]))]
+    assert ([(e.data == b"x" * (1 << 20), e.start, e.end) for e in out]
+            == [(True, -1, len(chunks[-1]))])
     assert p.hold_from is None
     assert dt < 0.5, dt
 

@@ -19,6 +19,7 @@ from procs import sim_and_gateway
 from prometheus_server import prometheus
 from servers import serve_app
 from upstreams import REQUESTS, scripted_app
+from waiting import wait_until
 
 SERVER, CLIENT = 2, 3  # OTLP span kinds
 FAST_SIM = SimConfig(decode_base_ms=2, decode_per_seq_ms=0, prefill_tokens_per_s=1e6)
@@ -123,7 +124,8 @@ def token(text: str) -> bytes:
     (GROQ_FINAL, 0.04, 0.003, 0.021),
     (CEREBRAS_FINAL, 0.0004, 0.0021, 0.0068),
 ])
-async def test_provider_reported_stages_become_provider_spans(final, queue, prefill, decode) -> None:
+async def test_provider_reported_stages_become_provider_spans(final, queue, prefill,
+                                                               decode) -> None:
     up = scripted_app([token("a"), 0.01, token("b"), final, b"data: [DONE]\n\n"])
     otlp = receiver_app()
     async with serve_app(otlp) as otlp_url, serve_app(up) as up_url:
@@ -137,7 +139,8 @@ async def test_provider_reported_stages_become_provider_spans(final, queue, pref
                 prom_text = await r.text()
     rec = otlp[RECEIVER]
     (upstream,) = rec.by_name("upstream")
-    spans = {n: rec.by_name(n)[0] for n in ("provider.queue", "provider.prefill", "provider.decode")}
+    spans = {n: rec.by_name(n)[0]
+             for n in ("provider.queue", "provider.prefill", "provider.decode")}
     for name, seconds in (("provider.queue", queue), ("provider.prefill", prefill),
                           ("provider.decode", decode)):
         s = spans[name]
@@ -148,7 +151,8 @@ async def test_provider_reported_stages_become_provider_spans(final, queue, pref
     assert spans["provider.prefill"].end == spans["provider.decode"].start
     # No stage the provider did not report is made up: gateway-measured spans say so.
     assert rec.by_name("upstream.prefill")[0].attrs["slogate.timing.source"] == "gateway"
-    assert 'slogate_provider_queue_seconds_count{backend="sim",model="m",route="/v1/chat/completions"} 1.0' in prom_text
+    assert ('slogate_provider_queue_seconds_count{backend="sim",model="m",'
+            'route="/v1/chat/completions"} 1.0') in prom_text
 
 
 async def test_otlp_metrics_use_genai_names() -> None:
@@ -194,7 +198,8 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-async def _stream_and_time(session: aiohttp.ClientSession, url: str, headers: dict) -> tuple[float, float | None]:
+async def _stream_and_time(session: aiohttp.ClientSession, url: str,
+                           headers: dict) -> tuple[float, float | None]:
     """Client-side TTFT (to the first content token) and TPOT, in seconds."""
     t0 = time.perf_counter()
     first = last = None
@@ -244,21 +249,26 @@ async def test_prometheus_scrape_agrees_with_the_client(caplog) -> None:
                 for batch in range(6):
                     await asyncio.gather(*(one(batch * 8 + i) for i in range(8)))
                 n = len(results)
-                for _ in range(100):
-                    if await prom.scalar("sum(slogate_requests_total)") == n:
-                        break
-                    await asyncio.sleep(0.2)
-                else:
-                    raise AssertionError("prometheus never saw all requests")
+
+                async def all_scraped() -> bool:
+                    return await prom.scalar("sum(slogate_requests_total)") == n
+
+                await wait_until(all_scraped, timeout=20, interval=0.2,
+                                 what="prometheus seeing every request")
                 p99 = await prom.scalar('histogram_quantile(0.99, sum by (le) '
                                         '(slogate_time_to_first_token_seconds_bucket))')
                 good = await prom.scalar(
-                    'sum(slogate_slo_requests_total{verdict="met"}) / sum(slogate_slo_requests_total)')
-                per_class = await prom.query('sum by (slo_class, verdict) (slogate_slo_requests_total)')
+                    'sum(slogate_slo_requests_total{verdict="met"}) '
+                    '/ sum(slogate_slo_requests_total)')
+                per_class = await prom.query(
+                    'sum by (slo_class, verdict) (slogate_slo_requests_total)')
     from gateway.telemetry.prometheus import LATENCY_BUCKETS
     client_p99 = _pct([r[0] for r in results], 0.99)
     bounds = sorted(set(LATENCY_BUCKETS) | {0.3, 0.05})
-    idx = lambda v: next(i for i, b in enumerate(bounds + [float("inf")]) if v <= b)
+
+    def idx(v: float) -> int:
+        return next(i for i, b in enumerate([*bounds, float("inf")]) if v <= b)
+
     assert abs(idx(p99) - idx(client_p99)) <= 1, (p99, client_p99)
     met = sum(1 for ttft, tpot, slow in results if ttft <= 0.3 and (tpot is None or tpot <= 0.05))
     assert good == pytest.approx(met / n)
@@ -285,12 +295,19 @@ async def test_gateway_ttft_matches_client_ttft_on_loopback() -> None:
                                 client[rid] = (time.perf_counter() - t0) * 1e3
                             break
                     await r.read()
-        await asyncio.sleep(0.2)
-        gateway = {}
-        for line in gw.log_text().splitlines():
-            if line.startswith("{"):
-                obj = json.loads(line)
-                gateway[obj["request_id"]] = obj["ms"]["ttft"]
+
+        def logged() -> dict[str, float]:
+            """The gateway's TTFT per request, once it has logged every request measured here
+            (a request is logged just after its response ends)."""
+            out = {}
+            for line in gw.log_text().split("\n")[:-1]:  # whole lines only
+                if line.startswith("{"):
+                    obj = json.loads(line)
+                    out[obj["request_id"]] = obj["ms"]["ttft"]
+            return out if set(client) <= set(out) else {}
+
+        gateway = await wait_until(logged, timeout=5, interval=0.02,
+                                   what="the gateway's access log of every request")
     diffs = sorted(client[k] - gateway[k] for k in client)
     p99 = diffs[min(len(diffs) - 1, round(0.99 * (len(diffs) - 1)))]
     print(f"client - gateway TTFT: p50 {diffs[len(diffs) // 2]:.3f} ms, p99 {p99:.3f} ms")

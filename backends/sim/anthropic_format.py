@@ -28,7 +28,8 @@ def error_type(status: int) -> str:
 
 
 def error_body(message: str, status: int) -> bytes:
-    return orjson.dumps({"type": "error", "error": {"type": error_type(status), "message": message}})
+    return orjson.dumps({"type": "error",
+                         "error": {"type": error_type(status), "message": message}})
 
 
 def event(kind: str, obj: dict[str, Any]) -> bytes:
@@ -67,9 +68,10 @@ class AnthropicStream:
         self.words = WORDS_JSON
 
     def opening(self, role_first: bool) -> bytes:
-        message = {"id": self.rid, "type": "message", "role": "assistant", "model": self.model,
-                   "content": [], "stop_reason": None, "stop_sequence": None,
-                   "usage": {**_usage(self.seq), "output_tokens": 1}}
+        message: dict[str, Any] = {
+            "id": self.rid, "type": "message", "role": "assistant", "model": self.model,
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {**_usage(self.seq), "output_tokens": 1}}
         return event("message_start", {"type": "message_start", "message": message}) + PING
 
     def first(self, tid: int, role_sent: bool) -> bytes:
@@ -88,13 +90,16 @@ class AnthropicStream:
         out = self._close_block()
         self.block += 1
         index = self.block
+        block: dict[str, Any]
         if i < self.out.reasoning:
-            kind, block, delta = "thinking", {"type": "thinking", "thinking": "", "signature": ""}, "thinking_delta"
+            kind, delta = "thinking", "thinking_delta"
+            block = {"type": "thinking", "thinking": "", "signature": ""}
         elif self.out.tool is None:
             kind, block, delta = "text", {"type": "text", "text": ""}, "text_delta"
         else:
             kind, delta = "tool_use", "input_json_delta"
-            block = {"type": "tool_use", "id": tool_id(self.rid), "name": self.out.tool, "input": {}}
+            block = {"type": "tool_use", "id": tool_id(self.rid), "name": self.out.tool,
+                     "input": {}}
         field = {"thinking_delta": "thinking", "text_delta": "text"}.get(delta, "partial_json")
         self.pre = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":'
                     + str(index).encode() + b',"delta":{"type":"' + delta.encode() + b'","'

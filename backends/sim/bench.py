@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 import aiohttp
 
@@ -46,7 +47,8 @@ class _Window:
         self.ttfts: list[float] = []
 
 
-async def _client(session: aiohttp.ClientSession, url: str, tokens: int, delay: float, w: _Window) -> None:
+async def _client(session: aiohttp.ClientSession, url: str, tokens: int, delay: float,
+                  w: _Window) -> None:
     body = {"model": "sim", "messages": [{"role": "user", "content": "benchmark " * 8}],
             "stream": True, "max_tokens": tokens}
     await asyncio.sleep(delay)
@@ -55,7 +57,8 @@ async def _client(session: aiohttp.ClientSession, url: str, tokens: int, delay: 
         last = None
         async with session.post(url + "/v1/chat/completions", json=body) as resp:
             async for line in resp.content:
-                if line.startswith(b'data: {') and b'"content":"' in line and b'"content":""' not in line:
+                if (line.startswith(b'data: {') and b'"content":"' in line
+                        and b'"content":""' not in line):
                     now = time.perf_counter()
                     if w.t_from <= now <= w.t_to:
                         w.tokens += 1
@@ -75,7 +78,8 @@ async def _steps(session: aiohttp.ClientSession, url: str) -> float:
         return float("nan")
 
 
-async def _level(url: str, streams: int, tokens: int, seconds: float, pid: int | None, step_ms: float) -> dict:
+async def _level(url: str, streams: int, tokens: int, seconds: float, pid: int | None,
+                 step_ms: float) -> dict[str, Any]:
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as session:
         await _client(session, url, 5, 0, _Window(0, time.perf_counter() + 0.001))  # warm-up
@@ -110,14 +114,17 @@ async def _level(url: str, streams: int, tokens: int, seconds: float, pid: int |
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", help="measure this server instead of spawning a simulator")
     ap.add_argument("--streams", default="1,8,64")
     ap.add_argument("--tokens", type=int, default=100)
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--port", type=int, default=18473)
-    ap.add_argument("--step-ms", type=float, default=2.0, help="the server's step time (for the ramp-up)")
-    ap.add_argument("--taskset", default="", help="CPU list to pin the spawned simulator to, e.g. 0")
+    ap.add_argument("--step-ms", type=float, default=2.0,
+                    help="the server's step time (for the ramp-up)")
+    ap.add_argument("--taskset", default="",
+                    help="CPU list to pin the spawned simulator to, e.g. 0")
     args = ap.parse_args(argv)
     proc = None
     url = args.url
@@ -142,14 +149,16 @@ def main(argv: list[str] | None = None) -> int:
             uvloop.install()
         except ImportError:
             pass
-        print(f"{'streams':>7} {'tok/s':>9} {'gap p50':>8} {'p90':>6} {'p99':>6} {'max':>6} {'mean':>6} "
-              f"{'ttft p50':>8} {'sim µs/tok':>10} {'sim cpu':>7} {'client cpu':>10} {'steps/s':>7}")
+        print(f"{'streams':>7} {'tok/s':>9} {'gap p50':>8} {'p90':>6} {'p99':>6} {'max':>6} "
+              f"{'mean':>6} {'ttft p50':>8} {'sim µs/tok':>10} {'sim cpu':>7} "
+              f"{'client cpu':>10} {'steps/s':>7}")
         for n in [int(x) for x in args.streams.split(",")]:
             r = asyncio.run(_level(url, n, args.tokens, args.seconds, pid, args.step_ms))
-            print(f"{r['streams']:>7} {r['tok_s']:>9.0f} {r['gap_p50_ms']:>8.2f} {r['gap_p90_ms']:>6.2f} "
-                  f"{r['gap_p99_ms']:>6.2f} {r['gap_max_ms']:>6.2f} {r['gap_mean_ms']:>6.2f} "
-                  f"{r['ttft_p50_ms']:>8.2f} {r['sim_cpu_us_per_token']:>10.1f} {r['sim_cpu_share']:>7.0%} {r['client_cpu_share']:>10.0%} {r['sim_steps_s']:>7.0f}",
-                  flush=True)
+            print(f"{r['streams']:>7} {r['tok_s']:>9.0f} {r['gap_p50_ms']:>8.2f} "
+                  f"{r['gap_p90_ms']:>6.2f} {r['gap_p99_ms']:>6.2f} {r['gap_max_ms']:>6.2f} "
+                  f"{r['gap_mean_ms']:>6.2f} {r['ttft_p50_ms']:>8.2f} "
+                  f"{r['sim_cpu_us_per_token']:>10.1f} {r['sim_cpu_share']:>7.0%} "
+                  f"{r['client_cpu_share']:>10.0%} {r['sim_steps_s']:>7.0f}", flush=True)
     finally:
         if proc is not None:
             proc.terminate()

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
+from typing import Any
 
 from aiohttp import web
 
@@ -23,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(SimConfig):
         default = getattr(defaults, f.name)
         help_ = f"{f.metadata.get('help', '')} (default: {default!r})".replace("%", "%%")
-        kw: dict = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_}
+        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_}
         if f.type in ("bool", bool):
             group.add_argument(_opt(f.name), action=argparse.BooleanOptionalAction, **kw)
         elif f.type in ("list[str]",):
@@ -31,10 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
-            group.add_argument(_opt(f.name), type=lambda v, n=f.name: _conv(n, v), **kw)
+            group.add_argument(_opt(f.name), type=functools.partial(_conv, f.name), **kw)
 
 
-def _conv(name: str, value: str):
+def _conv(name: str, value: str) -> Any:
     try:
         return coerce(name, value)
     except ValueError as e:
@@ -45,7 +47,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     """A validated SimConfig from parsed args; knobs not given keep their defaults."""
     vals = {name: getattr(args, name) for name in KNOBS if hasattr(args, name)}
     if "served_model_names" in vals:  # --served-model-name a --served-model-name b,c
-        vals["served_model_names"] = [n for v in vals["served_model_names"] for n in coerce("served_model_names", v)]
+        vals["served_model_names"] = [n for v in vals["served_model_names"]
+                                      for n in coerce("served_model_names", v)]
     cfg = SimConfig(**vals)
     try:
         cfg.validate()

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .config import SimConfig
 
@@ -66,7 +68,7 @@ class Seq:
         cut_after: int = -1,
         error_after: int = -1,
         on_token: Callable[[int], None] | None = None,
-        on_end: Callable[["Seq"], None] | None = None,
+        on_end: Callable[[Seq], None] | None = None,
     ) -> None:
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = cached_tokens
@@ -131,10 +133,8 @@ class Engine:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
             self._task = None
 
     @property
@@ -195,10 +195,8 @@ class Engine:
         if st == FINISHED:
             return None
         if st == WAITING:
-            try:
+            with contextlib.suppress(ValueError):  # pragma: no cover
                 self.waiting.remove(seq)
-            except ValueError:  # pragma: no cover
-                pass
         elif st == PREFILL:
             self.prefilling.remove(seq)
         else:
@@ -210,7 +208,8 @@ class Engine:
 
     def note_cancellation(self, phase: str) -> None:
         self.cancellations[phase] += 1
-        self.cancellation_times.append({"phase": phase, "monotonic": time.monotonic(), "unix": time.time()})
+        self.cancellation_times.append({"phase": phase, "monotonic": time.monotonic(),
+                                        "unix": time.time()})
 
     # --- the step loop -------------------------------------------------------------------
     def _end(self, seq: Seq, outcome: str) -> None:
@@ -396,7 +395,8 @@ class Engine:
             "steps": self.steps,
             "prompt_tokens": self.prompt_tokens_total,
             "generation_tokens": self.generation_tokens_total,
-            "prefix_cache": {"query_tokens": self.prefix_queries_tokens, "hit_tokens": self.prefix_hits_tokens},
+            "prefix_cache": {"query_tokens": self.prefix_queries_tokens,
+                             "hit_tokens": self.prefix_hits_tokens},
             "kv_cache_usage": self.kv_usage(),
             "finished": dict(self.finished_by_reason),
             "cancellations": dict(self.cancellations),

@@ -42,7 +42,8 @@ question reason idea plan result change point place part group problem fact case
 course example moment minute hour morning evening night summer winter north south east west
 always often never sometimes perhaps almost already enough rather quite usually really
 open close begin follow bring build carry check choose explain find give hold keep learn leave
-measure move need offer read remember send show start stop think try turn wait watch write""".split()
+measure move need offer read remember send show start stop think try turn wait watch
+write""".split()
 _PUNCT = [",", ".", ";", ":", "!", "?", "\n", "\n\n", " -", " (", ")", " \"", "\"", "'s"]
 
 
@@ -132,7 +133,8 @@ def error_type(status: int) -> str:
 
 
 def error_obj(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type(status), "param": param, "code": status}}
+    return {"error": {"message": message, "type": error_type(status), "param": param,
+                      "code": status}}
 
 
 def error_body(message: str, status: int, param: str | None = None) -> bytes:
@@ -217,6 +219,9 @@ class _OpenAIStream:
 
     __slots__ = ("head", "out", "rid")
     ping = PING
+    head: bytes  # set by each subclass's __init__
+    out: Output
+    rid: str
 
     def _closing(self, seq: Any, include_usage: bool, choice: bytes) -> bytes:
         """The finish chunk (`choice` is its choices entry), the usage chunk, [DONE].
@@ -229,7 +234,8 @@ class _OpenAIStream:
                                                     "usage": groq_usage(seq)})
         data = finish + b"}\n\n"
         if include_usage or out.flavour == "cerebras":
-            usage = b"data: " + self.head + b',"choices":[],"usage":' + orjson.dumps(usage_obj(seq, out))
+            usage = (b"data: " + self.head + b',"choices":[],"usage":'
+                     + orjson.dumps(usage_obj(seq, out)))
             if out.flavour == "cerebras":
                 usage += b',"time_info":' + orjson.dumps(time_info(seq))
             elif out.flavour == "vllm" and out.per_request_metrics:
@@ -260,7 +266,8 @@ class OpenAIChatStream(_OpenAIStream):
                            b'"finish_reason":null}]' + x_groq + b"}\n\n")
         self.reasoning_pre = start + b'"reasoning":"'
         if out.tool is None:
-            self.body_pre, self.body_suf, self.words = start + b'"content":"', b'"}' + _CLOSE_CHOICE, WORDS_JSON
+            self.body_pre, self.body_suf = start + b'"content":"', b'"}' + _CLOSE_CHOICE
+            self.words = WORDS_JSON
             self.tool_open = b""
         else:
             self.body_pre = start + b'"tool_calls":[{"index":0,"function":{"arguments":"'

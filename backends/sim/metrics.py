@@ -5,7 +5,8 @@ metric calls); the latency histograms are observed once per finished request.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -41,22 +42,30 @@ class _EngineCollector(Collector):
             c.add_metric(lv, value)
             return c
 
-        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", eng.num_running)
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", eng.num_waiting)
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", eng.kv_usage())
-        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", eng.prompt_tokens_total)
-        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", eng.generation_tokens_total)
-        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                    eng.num_running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                    eng.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                    eng.kv_usage())
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
+                      eng.prompt_tokens_total)
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                      eng.generation_tokens_total)
+        yield counter("vllm:prefix_cache_queries",
+                      "Prefix cache queries, in terms of number of queried tokens.",
                       eng.prefix_queries_tokens)
-        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+        yield counter("vllm:prefix_cache_hits",
+                      "Prefix cache hits, in terms of number of cached tokens.",
                       eng.prefix_hits_tokens)
-        rs = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
-                                 labels=labels + ["finished_reason"])
+        rs = CounterMetricFamily("vllm:request_success",
+                                 "Count of successfully processed requests.",
+                                 labels=[*labels, "finished_reason"])
         for reason in ("stop", "length", "abort"):
             rs.add_metric(lv + [reason], eng.finished_by_reason.get(reason, 0))
         yield rs
-        cc = CounterMetricFamily("sim_cancellations", "Requests removed from the simulated engine because the "
-                                 "client went away, by phase.", labels=["phase"])
+        cc = CounterMetricFamily("sim_cancellations", "Requests removed from the simulated engine "
+                                 "because the client went away, by phase.", labels=["phase"])
         for p in PHASES:
             cc.add_metric([p], eng.cancellations[p])
         yield cc
@@ -80,12 +89,12 @@ class SimMetrics:
         def hist(name: str, doc: str, buckets: list[float]) -> Any:
             return Histogram(name, doc, ln, buckets=buckets, registry=r).labels(*lv)
 
-        self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                         TTFT_BUCKETS)
+        self.ttft = hist("vllm:time_to_first_token_seconds",
+                         "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.tpot = hist("vllm:request_time_per_output_token_seconds",
                          "Histogram of time_per_output_token_seconds per request.", TPOT_BUCKETS)
-        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                        PHASE_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds",
+                        "Histogram of e2e request latency in seconds.", PHASE_BUCKETS)
         self.queue = hist("vllm:request_queue_time_seconds",
                           "Histogram of time spent in WAITING phase for request.", PHASE_BUCKETS)
         self.prefill = hist("vllm:request_prefill_time_seconds",

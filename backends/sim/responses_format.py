@@ -15,8 +15,15 @@ from typing import Any
 
 import orjson
 
-from .formats import (ARGS_CLOSE, ARGS_OPEN, WORDS_ARG_JSON, WORDS_JSON, Output, detokenize,
-                      tool_arguments)
+from .formats import (
+    ARGS_CLOSE,
+    ARGS_OPEN,
+    WORDS_ARG_JSON,
+    WORDS_JSON,
+    Output,
+    detokenize,
+    tool_arguments,
+)
 
 
 def _suffix(rid: str) -> str:
@@ -26,6 +33,7 @@ def _suffix(rid: str) -> str:
 def _item(kind: str, rid: str, out: Output, text: str, done: bool) -> dict[str, Any]:
     """An output item, in progress (empty) or done (with its text)."""
     status = "completed" if done else "in_progress"
+    content: list[dict[str, Any]]
     if kind == "reasoning":
         content = [{"type": "reasoning_text", "text": text}] if done else []
         return {"id": "rs_" + _suffix(rid), "type": "reasoning", "summary": [], "content": content,
@@ -34,7 +42,8 @@ def _item(kind: str, rid: str, out: Output, text: str, done: bool) -> dict[str, 
         return {"id": "fc_" + _suffix(rid), "type": "function_call", "status": status,
                 "call_id": "call_" + _suffix(rid), "name": out.tool,
                 "arguments": tool_arguments(text) if done else ""}
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if done else []
+    content = ([{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+               if done else [])
     return {"id": "msg_" + _suffix(rid), "type": "message", "status": status, "role": "assistant",
             "content": content}
 
@@ -141,11 +150,13 @@ class ResponsesStream:
             out += self.event("response.content_part.added", {
                 **ids, "content_index": 0,
                 "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
-        delta = {"reasoning": "response.reasoning_text.delta", "message": "response.output_text.delta",
+        delta = {"reasoning": "response.reasoning_text.delta",
+                 "message": "response.output_text.delta",
                  "function_call": "response.function_call_arguments.delta"}[self.kind]
         self.pre = (b"event: " + delta.encode() + b'\ndata: {"type":"' + delta.encode()
                     + b'","sequence_number":')
-        where = b',"item_id":"' + ids["item_id"].encode() + b'","output_index":' + str(self.index).encode()
+        where = (b',"item_id":"' + ids["item_id"].encode() + b'","output_index":'
+                 + str(self.index).encode())
         if self.kind == "function_call":
             self.mid, self.suf, self.words = where + b',"delta":"', b'"}\n\n', WORDS_ARG_JSON
         else:
@@ -163,12 +174,14 @@ class ResponsesStream:
         ids = self._ids()
         out = b""
         if self.kind == "reasoning":
-            out += self.event("response.reasoning_text.done", {**ids, "content_index": 0, "text": text})
+            out += self.event("response.reasoning_text.done",
+                              {**ids, "content_index": 0, "text": text})
         elif self.kind == "message":
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
             out += self.event("response.output_text.done", {**ids, "content_index": 0,
                                                             "text": text, "logprobs": []})
-            out += self.event("response.content_part.done", {**ids, "content_index": 0, "part": part})
+            out += self.event("response.content_part.done",
+                              {**ids, "content_index": 0, "part": part})
         else:
             sn = self.sn
             self.sn = sn + 1

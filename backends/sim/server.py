@@ -38,7 +38,8 @@ class SimState:
         self.engine = Engine(cfg)
         self.requests_total = 0
         self.faults: collections.Counter[str] = collections.Counter()
-        self.request_log: collections.deque[dict[str, Any]] = collections.deque(maxlen=cfg.request_log_size)
+        self.request_log: collections.deque[dict[str, Any]] = collections.deque(
+            maxlen=cfg.request_log_size)
         self.rng = random.Random(cfg.seed)
         self.active: set[asyncio.Task[Any]] = set()
         self.created = int(time.time())
@@ -58,7 +59,8 @@ class SimState:
     def knob_status(self) -> int:
         """The fault_status knob's status if this request gets it (rate, count), else 0."""
         cfg = self.cfg
-        if not cfg.fault_status or not (cfg.fault_status_rate >= 1.0 or self.rng.random() < cfg.fault_status_rate):
+        if not cfg.fault_status or not (cfg.fault_status_rate >= 1.0
+                                        or self.rng.random() < cfg.fault_status_rate):
             return 0
         if 0 <= cfg.fault_status_count <= self.knob_status_faults:
             return 0
@@ -147,7 +149,8 @@ def parse_faults(h: Any, sim: SimState) -> Faults:
     cfg = sim.cfg
     status = _hnum(h, "x-sim-status", 0, int, 0)
     if status and not 400 <= status <= 599:
-        raise BadRequest(f"header x-sim-status: {status} is not an HTTP error status 400-599", "x-sim-status")
+        raise BadRequest(f"header x-sim-status: {status} is not an HTTP error status 400-599",
+                         "x-sim-status")
     if not status:
         status = sim.knob_status()
     retry_after = h.get("x-sim-retry-after")
@@ -155,12 +158,14 @@ def parse_faults(h: Any, sim: SimState) -> Faults:
         retry_after = f"{cfg.retry_after_s:g}"
     hang = h.get("x-sim-hang", cfg.hang).strip().lower()
     if hang not in HANG_MODES:
-        raise BadRequest(f"header x-sim-hang: {hang!r} is not one of 'headers', 'first_token'", "x-sim-hang")
+        raise BadRequest(f"header x-sim-hang: {hang!r} is not one of 'headers', 'first_token'",
+                         "x-sim-hang")
     rf = h.get("x-sim-role-first")
     role_first = cfg.role_first if rf is None else rf.strip().lower() in ("1", "true", "yes", "on")
     provider = h.get("x-sim-provider")
     if provider is not None and provider.strip().lower() not in PROVIDERS:
-        raise BadRequest(f"header x-sim-provider: {provider!r} is not one of {', '.join(PROVIDERS)}", "x-sim-provider")
+        raise BadRequest(f"header x-sim-provider: {provider!r} is not one of "
+                         f"{', '.join(PROVIDERS)}", "x-sim-provider")
     reasoning = h.get("x-sim-reasoning-tokens")
     return Faults(
         stall_ms=_hnum(h, "x-sim-stall-ms", cfg.stall_ms, float, 0),
@@ -173,7 +178,8 @@ def parse_faults(h: Any, sim: SimState) -> Faults:
         ping_ms=_hnum(h, "x-sim-ping-ms", cfg.ping_ms, float, 0),
         role_first=role_first,
         output_tokens=_hnum(h, "x-sim-output-tokens", cfg.output_tokens, int, 0),
-        reasoning_tokens=None if reasoning is None else _hnum(h, "x-sim-reasoning-tokens", 0, int, 0),
+        reasoning_tokens=(None if reasoning is None
+                          else _hnum(h, "x-sim-reasoning-tokens", 0, int, 0)),
         provider=None if provider is None else provider.strip().lower(),
     )
 
@@ -267,8 +273,9 @@ def _first_tool(body: dict[str, Any], api: str) -> str | None:
         if not isinstance(t, dict):
             raise BadRequest("'tools' must be a list of objects", "tools")
         fn = t.get("function") if api == "chat" else t
-        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-            return fn["name"]
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if isinstance(name, str):
+            return name
     return None
 
 
@@ -359,9 +366,9 @@ def parse_body(body: Any, api: str, cfg: SimConfig) -> Parsed:
         ptoks = max(1, -(-nbytes // cfg.bytes_per_token))
     if ptoks >= cfg.max_model_len or (mt is not None and ptoks + mt > cfg.max_model_len):
         raise BadRequest(
-            f"This model's maximum context length is {cfg.max_model_len} tokens. However, you requested "
-            f"{ptoks + (mt or 0)} tokens ({ptoks} in the messages, {mt or 0} in the completion). "
-            "Please reduce the length of the messages or completion.", param)
+            f"This model's maximum context length is {cfg.max_model_len} tokens. However, you "
+            f"requested {ptoks + (mt or 0)} tokens ({ptoks} in the messages, {mt or 0} in the "
+            "completion). Please reduce the length of the messages or completion.", param)
     tool = _first_tool(body, api) if api != "completions" else None
     return Parsed(model, stream, include_usage, mt, seed, prompt, ptoks, tool,
                   api != "completions" and _wants_reasoning(body, api))
@@ -371,9 +378,11 @@ def make_seq(p: Parsed, f: Faults, cfg: SimConfig, engine: Engine) -> Seq:
     if p.seed is not None:
         rng = random.Random(f"{cfg.seed}:{p.seed}")
     else:
-        rng = random.Random(hashlib.blake2b(p.prompt, digest_size=16, person=b"%d" % cfg.seed).digest())
+        rng = random.Random(hashlib.blake2b(p.prompt, digest_size=16,
+                                            person=b"%d" % cfg.seed).digest())
     sigma = cfg.output_tokens_sigma
-    drawn = max(1, round(rng.lognormvariate(math.log(cfg.mean_output_tokens) - sigma * sigma / 2, sigma)))
+    mu = math.log(cfg.mean_output_tokens) - sigma * sigma / 2
+    drawn = max(1, round(rng.lognormvariate(mu, sigma)))
     limit = p.max_tokens
     if f.output_tokens:
         target, reason = f.output_tokens, STOP
@@ -391,7 +400,8 @@ def make_seq(p: Parsed, f: Faults, cfg: SimConfig, engine: Engine) -> Seq:
     if cfg.prefix_cache_bytes:
         head = p.prompt[: cfg.prefix_cache_bytes]
         key = (len(head), hash(head))
-        cached = engine.lookup_prefix(key, min(len(head) // cfg.bytes_per_token, p.prompt_tokens - 1))
+        cached = engine.lookup_prefix(key, min(len(head) // cfg.bytes_per_token,
+                                               p.prompt_tokens - 1))
     return Seq(
         p.prompt_tokens, target, reason, rng.randbytes(target),
         cached_tokens=cached,
@@ -464,13 +474,12 @@ class StreamSink:
     def end(self, seq: Seq) -> None:
         self.stop_ping()
         o = seq.outcome
-        if o == STOP or o == LENGTH:
+        if o in (STOP, LENGTH):
             self.write(self.fmt.finish(seq, self.include_usage))
         elif o == ERROR:
             self.write(self.fmt.error(seq.error_message, 500))
-        elif o == CUT:
-            if self.buf is None and self.transport is not None:
-                self.transport.close()  # flushes what was written, then FIN: no terminator
+        elif o == CUT and self.buf is None and self.transport is not None:
+            self.transport.close()  # flushes what was written, then FIN: no terminator
 
     # keep-alive comments while no token flows
     def start_ping(self, interval_s: float) -> None:
@@ -554,7 +563,8 @@ async def _handle(request: web.Request, ep: Endpoint) -> web.StreamResponse:
         if f.status:
             sim.faults[f"status_{f.status}"] += 1
             hdrs = {"Retry-After": f.retry_after} if f.retry_after else None
-            return error_response(f.status, f"Simulated error: HTTP {f.status}", headers=hdrs, api=api)
+            return error_response(f.status, f"Simulated error: HTTP {f.status}", headers=hdrs,
+                                  api=api)
         if api == "messages" and "anthropic-version" not in request.headers:
             raise BadRequest("anthropic-version: header is required", "anthropic-version")
         if body is None:
@@ -599,7 +609,8 @@ async def _handle(request: web.Request, ep: Endpoint) -> web.StreamResponse:
         sim.active.discard(task)
 
 
-def _stream_renderer(api: str, rid: str, created: int, p: Parsed, out: formats.Output, seq: Seq) -> Any:
+def _stream_renderer(api: str, rid: str, created: int, p: Parsed, out: formats.Output,
+                     seq: Seq) -> Any:
     if api == "chat":
         return formats.OpenAIChatStream(rid, created, p.model, out)
     if api == "completions":
@@ -609,8 +620,9 @@ def _stream_renderer(api: str, rid: str, created: int, p: Parsed, out: formats.O
     return anthropic_format.AnthropicStream(rid, created, p.model, out, seq)
 
 
-async def _stream(request: web.Request, sim: SimState, seq: Seq, p: Parsed, f: Faults, out: formats.Output,
-                  rid: str, created: int, base: str, api: str) -> web.StreamResponse:
+async def _stream(request: web.Request, sim: SimState, seq: Seq, p: Parsed, f: Faults,
+                  out: formats.Output, rid: str, created: int, base: str,
+                  api: str) -> web.StreamResponse:
     engine = sim.engine
     fmt = _stream_renderer(api, rid, created, p, out, seq)
     # vLLM sends usage whenever stream_options is present, unless include_usage is false
@@ -629,7 +641,7 @@ async def _stream(request: web.Request, sim: SimState, seq: Seq, p: Parsed, f: F
         if f.ping_ms:
             sink.start_ping(f.ping_ms / 1000.0)
         outcome = await done
-        if outcome == CUT or outcome == CANCELLED:
+        if outcome in (CUT, CANCELLED):
             # connection closed (by us, or the client is gone): aiohttp cancels us shortly
             if request.transport is not None:
                 request.transport.close()
@@ -683,7 +695,8 @@ async def models(request: web.Request) -> web.Response:
     sim = request.app[SIM]
     if (denied := _check_auth(sim.cfg, request)) is not None:
         return denied
-    return web.Response(body=formats.models_body(sim.cfg.served_model_names, sim.created), content_type=JSON)
+    return web.Response(body=formats.models_body(sim.cfg.served_model_names, sim.created),
+                        content_type=JSON)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -692,7 +705,8 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     sim = request.app[SIM]
-    return web.Response(body=generate_latest(sim.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return web.Response(body=generate_latest(sim.metrics.registry),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def sim_stats(request: web.Request) -> web.Response:

@@ -22,6 +22,7 @@ import math
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from gateway.admission import engine_metrics
@@ -113,6 +114,7 @@ class Ticket:
         self.work_at_dispatch = load.work_ahead() + tokens
         self.decoding_at_dispatch = load.decoding_now()
         self.ahead_at_dispatch = load.requests_ahead()
+        self.decoding_sum: float | None = None  # streams decoding when its first token came
         self.state = "prefill"
         load.prefill_tokens += tokens
         load.prefilling += 1
@@ -178,7 +180,7 @@ class Waiter:
                  "t_queued", "reason")
 
     def __init__(self, key: tuple[int, int, int], ctx: Exchange, family: str, tokens: float,
-                 body_bytes: int, prefix: bytes | None) -> None:
+                 body_bytes: int, prefix: bytes | None, t_queued: int) -> None:
         self.key = key
         self.ctx = ctx
         self.family = family
@@ -186,7 +188,7 @@ class Waiter:
         self.body_bytes = body_bytes
         self.prefix = prefix
         self.future: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
-        self.t_queued = now_ns()
+        self.t_queued = t_queued
         self.reason = ""
 
     def __lt__(self, other: "Waiter") -> bool:
@@ -195,7 +197,8 @@ class Waiter:
 
 class AdmissionController:
     def __init__(self, cfg: AdmissionConfig, router: Router, metrics: Metrics,
-                 shared: Any = None) -> None:
+                 shared: Any = None, clock: Callable[[], int] = now_ns) -> None:
+        self.clock = clock  # monotonic ns, the clock of the request timeline (tests pass one)
         self.cfg = cfg
         self.router = router
         self.metrics = metrics
@@ -208,6 +211,7 @@ class AdmissionController:
         self._seq = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
         self._waking = False
+        self._drain_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -223,6 +227,8 @@ class AdmissionController:
             task.cancel()
         if self._timer is not None:
             self._timer.cancel()
+        if self._drain_task is not None:
+            self._drain_task.cancel()
 
     def load_of(self, replica: Replica) -> ReplicaLoad:
         load = self.loads.get(replica.name)
@@ -260,7 +266,7 @@ class AdmissionController:
         slo = ctx.slo
         deadline = ctx.t_received + int(slo.ttft_ms * 1e6)
         waiter = Waiter((-slo.cls.priority, deadline, next(self._seq)), ctx, family, tokens,
-                        body_bytes, prefix)
+                        body_bytes, prefix, self.clock())
         heapq.heappush(self.queue, waiter)
         self.queued_tokens += tokens
         self._decided(ctx, QUEUED, why_not)
@@ -272,7 +278,7 @@ class AdmissionController:
             if not waiter.future.done():  # cancelled (the client left) while queued
                 waiter.future.cancel()
             self._remove(waiter)
-            ctx.t_admitted = now_ns()
+            ctx.t_admitted = self.clock()
             self.metrics.queue_wait.observe((slo.name,), (ctx.t_admitted - waiter.t_queued) / 1e9)
         return ticket
 
@@ -280,7 +286,7 @@ class AdmissionController:
                    body_bytes: int, prefix: bytes | None) -> tuple[Ticket | None, str]:
         """Admit now if a replica can meet both targets; else (None, why)."""
         slo = ctx.slo
-        waited_s = (now_ns() - ctx.t_received) / 1e9
+        waited_s = (self.clock() - ctx.t_received) / 1e9
         ttft_budget = slo.ttft_ms / 1e3 - waited_s
         tpot_target = slo.tpot_ms / 1e3
         ok: list[tuple[float, ReplicaLoad]] = []
@@ -332,7 +338,7 @@ class AdmissionController:
         so a stale model would otherwise never learn the engine got faster again."""
         if self.shared is not None:
             return None  # the global slot needs an await: not worth it for a probe
-        now = time.monotonic()
+        now = self.clock() / 1e9
         for load in loads:
             if (load.in_flight == 0 and load.engine_waiting == 0 and load.replica.available()
                     and now - load.last_probe >= PROBE_INTERVAL_S and not self.queue):
@@ -342,12 +348,11 @@ class AdmissionController:
                               est.predict_ttft(tokens, 0.0), False)
         return None
 
-    @staticmethod
-    def _urgent(waiter: Waiter) -> bool:
+    def _urgent(self, waiter: Waiter) -> bool:
         """Near its deadline: strict priority would starve lower bands under sustained
         overload, so their last chance comes before the more important ones' next."""
         slo = waiter.ctx.slo
-        left_s = (waiter.key[1] - now_ns()) / 1e9
+        left_s = (waiter.key[1] - self.clock()) / 1e9
         return bool(left_s < URGENT * slo.ttft_ms / 1e3)
 
     def _higher_priority_waiting(self, priority: int) -> bool:
@@ -380,7 +385,7 @@ class AdmissionController:
 
     def _check_feasible(self, ctx: Exchange, loads: list[ReplicaLoad], tokens: float,
                         why: str, ahead_tokens: float = 0.0) -> None:
-        budget = ctx.slo.ttft_ms / 1e3 - (now_ns() - ctx.t_received) / 1e9
+        budget = ctx.slo.ttft_ms / 1e3 - (self.clock() - ctx.t_received) / 1e9
         per_replica_ahead = ahead_tokens / max(1, len(loads))
         if self._best_case_s(loads, tokens + per_replica_ahead) > budget:
             self._reject(ctx, "ttft_infeasible", self._retry_after_s(loads))
@@ -429,7 +434,10 @@ class AdmissionController:
         """Capacity changed: let the queue move (in a task: callers are on the hot path)."""
         if self.queue and not self._waking:
             self._waking = True
-            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._drain()))
+            asyncio.get_running_loop().call_soon(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())  # kept: to cancel it on close
 
     def _arm_timer(self) -> None:
         if self._timer is None and self.queue:
@@ -496,7 +504,8 @@ class AdmissionController:
                                             abs(actual - ticket.predicted_ttft_s))
             tpot = ctx.tpot_s()
             if tpot is not None and ticket.state == "done":
-                mean_decoding = (getattr(ticket, "decoding_sum", decoding_end) + decoding_end) / 2
+                at_first = ticket.decoding_sum if ticket.decoding_sum is not None else decoding_end
+                mean_decoding = (at_first + decoding_end) / 2
                 est.observe_tpot(mean_decoding, tpot)
 
     def release_shared(self, ticket: Ticket) -> None:
