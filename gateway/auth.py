@@ -5,7 +5,7 @@ spans, errors or metrics."""
 from __future__ import annotations
 
 import hashlib
-from typing import Mapping
+from collections.abc import Mapping
 
 from gateway.config import AuthConfig, GatewayKey
 from gateway.errors import GatewayError

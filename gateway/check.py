@@ -9,7 +9,8 @@ import math
 import os
 import re
 import sys
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 SECRET_KEYS = {"sha256", "api_key", "password", "secret", "token"}

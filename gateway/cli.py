@@ -103,7 +103,8 @@ def _plugin(args: argparse.Namespace) -> int:
     try:
         return int(args.run(args))
     except OSError as e:
-        host, port = getattr(args, "host", "?"), getattr(args, "port", "?")
+        host: str = getattr(args, "host", "?")
+        port: int = getattr(args, "port", 0)
         print(f"slogate: {describe_listen_error(e, host, port)}", file=sys.stderr)
         return 2
 

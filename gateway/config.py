@@ -16,8 +16,9 @@ import difflib
 import logging
 import os
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 from gateway.apis import PROVIDERS

@@ -8,11 +8,9 @@ drain) from a client that went away.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Protocol
-
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Protocol
 
 from gateway.errors import FIRST_TOKEN, IDLE, SHUTDOWN, TOTAL, GatewayError
 from gateway.exchange import now_ns
@@ -125,7 +123,7 @@ class DeadlineOverrides:
     total_s: float | None = None
 
     @classmethod
-    def from_headers(cls, headers: Mapping[str, str]) -> "DeadlineOverrides":
+    def from_headers(cls, headers: Mapping[str, str]) -> DeadlineOverrides:
         values: dict[str, float] = {}
         for name in _OVERRIDE_NAMES:
             header = f"x-slogate-timeout-{name.replace('_', '-')}-ms"
@@ -136,13 +134,13 @@ class DeadlineOverrides:
                 ms = float(raw)
             except ValueError:
                 ms = float("nan")
-            if not 1 <= ms:  # also rejects NaN
+            if not ms >= 1:  # also rejects NaN
                 raise GatewayError(400, f"{header} must be a number of milliseconds >= 1.",
                                    "invalid_timeout_header")
             values[name + "_s"] = ms / 1e3
         return cls(**values) if values else NO_OVERRIDES
 
-    def apply(self, timeouts: "Timeouts") -> "Timeouts":
+    def apply(self, timeouts: Timeouts) -> Timeouts:
         """`timeouts`, tightened where this request asked for less."""
         if self is NO_OVERRIDES:
             return timeouts

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +35,11 @@ def _pick_port(preferred: int) -> int:
         return preferred
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
-async def wait_ready(url: str, exited, timeout: float = 30.0) -> None:
+async def wait_ready(url: str, exited: Callable[[], int | None], timeout: float = 30.0) -> None:
     """Poll `url` until it answers 200; `exited()` returns the process's exit status or None."""
     import aiohttp
 
@@ -76,7 +78,7 @@ class GatewayLog:
             print(f"  gateway | {text}", file=sys.stderr)
 
 
-async def _one_request(client, rng: random.Random) -> dict[str, Any] | None:
+async def _one_request(client: Any, rng: random.Random) -> dict[str, Any] | None:
     prompt = " ".join(rng.choice(PROMPT_WORDS) for _ in range(rng.choice([20, 80, 400, 1500])))
     t0 = time.perf_counter()
     raw = await client.chat.completions.with_raw_response.create(
@@ -84,7 +86,8 @@ async def _one_request(client, rng: random.Random) -> dict[str, Any] | None:
         messages=[{"role": "user", "content": prompt}])
     request_id = raw.headers.get("x-slogate-request-id")
     stream = raw.parse()
-    first = last = None
+    first: float | None = None
+    last = 0.0
     tokens = 0
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -94,7 +97,8 @@ async def _one_request(client, rng: random.Random) -> dict[str, Any] | None:
     end = time.perf_counter()
     if first is None:
         return None
-    rec = {"request_id": request_id, "ttft": (first - t0) * 1e3, "e2e": (end - t0) * 1e3}
+    rec: dict[str, Any] = {"request_id": request_id, "ttft": (first - t0) * 1e3,
+                           "e2e": (end - t0) * 1e3}
     if tokens > 1:
         rec["tpot"] = (last - first) * 1e3 / (tokens - 1)
     return rec
@@ -216,7 +220,7 @@ async def main(duration: float | None, port: int, sim_port: int, concurrency: in
         sim.terminate()
         try:
             await asyncio.wait_for(gw.wait(), 10)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             gw.kill()
         sim.wait(10)
         follower.cancel()

@@ -9,11 +9,13 @@ stamps start again for the next one.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from gateway.apis.base import EventInfo
 
@@ -24,7 +26,6 @@ if TYPE_CHECKING:
     from gateway.config import Timeouts
     from gateway.errors import AttemptFailed
     from gateway.routing import Replica
-    from gateway.slo import SLOTarget
 
 now_ns = time.monotonic_ns
 
@@ -269,7 +270,7 @@ class Exchange:
     def itl_s(self) -> list[float]:
         """Gaps between successive token events, in seconds."""
         ts = self.token_ns
-        return [(b - a) / 1e9 for a, b in zip(ts, ts[1:])]
+        return [(b - a) / 1e9 for a, b in itertools.pairwise(ts)]
 
     def ttft_s(self) -> float | None:
         if self.t_first_token:

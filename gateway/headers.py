@@ -1,7 +1,7 @@
 """Which headers cross the gateway (RFC 9110 §7.6.1 hop-by-hop rules, both directions)."""
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -29,7 +29,8 @@ def _connection_listed(headers: CIMultiDictProxy[str]) -> set[str]:
     return listed
 
 
-def upstream_request_headers(client: CIMultiDictProxy[str], *, forward_auth: bool) -> CIMultiDict[str]:
+def upstream_request_headers(client: CIMultiDictProxy[str], *,
+                             forward_auth: bool) -> CIMultiDict[str]:
     drop = _connection_listed(client)
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in client.items():

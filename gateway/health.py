@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import aiohttp
 
@@ -89,7 +89,7 @@ async def check_forever(url: str, interval_s: float, session: aiohttp.ClientSess
         try:
             async with session.get(url, timeout=timeout) as r:
                 ok = 200 <= r.status < 300
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             ok = False
         report(ok)
         await asyncio.sleep(interval_s)

@@ -32,7 +32,8 @@ def parse_json(body: bytes) -> dict[str, Any]:
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError as e:
-        raise GatewayError(400, f"The request body is not valid JSON: {e}.", "invalid_json") from None
+        raise GatewayError(400, f"The request body is not valid JSON: {e}.",
+                           "invalid_json") from None
     if not isinstance(obj, dict):
         raise GatewayError(400, "The request body must be a JSON object.", "invalid_json")
     return obj

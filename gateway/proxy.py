@@ -12,21 +12,37 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from email.utils import parsedate_to_datetime
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
 from aiohttp import web
-from tenacity import (AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt,
-                      wait_random_exponential)
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_random_exponential,
+)
 
 from gateway import ingress
 from gateway.apis import ROUTES
 from gateway.deadlines import DeadlineOverrides, Watchdog
-from gateway.errors import (ATTEMPT_OK, CLIENT_CANCELLED, CONNECT_ERROR, GATEWAY_ERROR, OK,
-                            TIMEOUT, UPSTREAM_ERROR, AttemptFailed, ClientGone, GatewayError,
-                            deadline_failure)
+from gateway.errors import (
+    ATTEMPT_OK,
+    CLIENT_CANCELLED,
+    CONNECT_ERROR,
+    GATEWAY_ERROR,
+    OK,
+    TIMEOUT,
+    UPSTREAM_ERROR,
+    AttemptFailed,
+    ClientGone,
+    GatewayError,
+    deadline_failure,
+)
 from gateway.exchange import Attempt, Exchange, now_ns
 from gateway.headers import client_response_headers, upstream_request_headers
 from gateway.netdiag import describe_connect_error
@@ -314,7 +330,7 @@ class Proxy:
         try:
             up = await replica.session.post(url, data=data, headers=headers,
                                             trace_request_ctx=ex, **post_kw)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
             raise AttemptFailed(CONNECT_ERROR, 502, f"Backend '{replica.name}' is unreachable: "
                                 f"{describe_connect_error(e, replica.address, replica.port)}.",
                                 "upstream_unreachable") from None

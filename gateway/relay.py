@@ -21,9 +21,18 @@ from typing import TYPE_CHECKING
 import aiohttp
 from aiohttp import web
 
-from gateway.errors import (CLOSED_BEFORE_FIRST_TOKEN, GATEWAY_ERROR, OK, SHUTDOWN, TIMEOUT,
-                            UPSTREAM_ERROR, UPSTREAM_TRUNCATED, AttemptFailed, ClientGone,
-                            deadline_failure)
+from gateway.errors import (
+    CLOSED_BEFORE_FIRST_TOKEN,
+    GATEWAY_ERROR,
+    OK,
+    SHUTDOWN,
+    TIMEOUT,
+    UPSTREAM_ERROR,
+    UPSTREAM_TRUNCATED,
+    AttemptFailed,
+    ClientGone,
+    deadline_failure,
+)
 from gateway.exchange import Exchange, now_ns
 from gateway.sse import SSEParser
 
@@ -205,9 +214,10 @@ class Relay:
                 raise  # the client went away
             if not ex.t_committed:
                 raise deadline_failure(reason) from None
-            return await self._end_with_error(reason, TIMEOUT if reason != SHUTDOWN
-                                              else GATEWAY_ERROR, f"The stream was ended: {reason}.")
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+            outcome = GATEWAY_ERROR if reason == SHUTDOWN else TIMEOUT
+            return await self._end_with_error(reason, outcome,
+                                              f"The stream was ended: {reason}.")
+        except (TimeoutError, aiohttp.ClientError):
             ex.error_type = "upstream_connection_lost"
         if ex.done:
             await self._commit()

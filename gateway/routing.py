@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable, Collection, Iterator
 from types import SimpleNamespace
-from typing import Any, Callable, Collection, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp

@@ -6,7 +6,8 @@ import gc
 import logging
 import signal
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -14,16 +15,16 @@ from prometheus_client.exposition import choose_encoder
 
 import gateway
 from gateway import config as config_mod
-from gateway.console import Console, ConsoleRecorder
-from gateway.netdiag import describe_listen_error
 from gateway.admission.controller import AdmissionController
 from gateway.apis import LOCAL_ROUTES, ROUTES, chat, messages
 from gateway.apis.base import Api, Handler
 from gateway.auth import AuthPolicy
 from gateway.config import Config
+from gateway.console import Console, ConsoleRecorder
 from gateway.errors import SHUTDOWN, GatewayError
 from gateway.exchange import new_request_id
 from gateway.finish import Finisher
+from gateway.netdiag import describe_listen_error
 from gateway.proxy import REQUEST_ID_HEADER, Proxy
 from gateway.routing import Replica, Router
 from gateway.slo import SLOPolicy
@@ -223,7 +224,8 @@ def setup_logging() -> None:
     access.addHandler(handler)
     access.setLevel(logging.INFO)
     access.propagate = False
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 async def drain(app: web.Application, timeout_s: float) -> None:

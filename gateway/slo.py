@@ -1,8 +1,9 @@
 """SLO classes and per-request verdicts (DistServe goodput: TTFT and TPOT met, outcome ok)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 from gateway.config import DEFAULT_CLASS, SLOClass, SLOConfig
 from gateway.errors import OK, GatewayError
@@ -93,9 +94,9 @@ def verdict(ctx: Exchange, target: SLOTarget) -> str:
     tpot = ctx.tpot_s()
     tpot_ok = tpot is None or tpot * 1e3 <= target.tpot_ms
     if ttft_ok and tpot_ok:
-        if target.e2e_ms is not None and ctx.t_end:
-            if (ctx.t_end - ctx.t_received) / 1e6 > target.e2e_ms:
-                return E2E_MISSED
+        if (target.e2e_ms is not None and ctx.t_end
+                and (ctx.t_end - ctx.t_received) / 1e6 > target.e2e_ms):
+            return E2E_MISSED
         return MET
     if not ttft_ok and not tpot_ok:
         return BOTH_MISSED

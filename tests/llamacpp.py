@@ -2,12 +2,17 @@
 skip, when the engine is missing: `make test` installs it (scripts/install-llamacpp.sh)."""
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from backends.engines.llamacpp import (LlamaCppServer, llamacpp_server,  # noqa: F401 (re-exported)
-                                       llamacpp_server_sync, missing_reason)
+from backends.engines.llamacpp import (  # noqa: F401 (re-exported)
+    LlamaCppServer,
+    llamacpp_server,
+    llamacpp_server_sync,
+    missing_reason,
+)
 
 
 def require_llamacpp() -> None:

@@ -11,7 +11,6 @@ URL first and a progress line while it drives load; `make clean` removes what ma
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import subprocess
@@ -162,7 +161,7 @@ def test_every_example_loads_with_check(example, capsys) -> None:
 
 
 def test_examples_cover_every_provider_family() -> None:
-    types = {b["type"] if "type" in b else "openai"
+    types = {b.get("type", "openai")
              for p in EXAMPLES for b in tomllib.loads(p.read_text())["backends"]}
     assert {"anthropic", "groq", "cerebras", "openai"} <= types
     names = {p.name for p in EXAMPLES}
@@ -208,15 +207,16 @@ async def test_unreachable_backend_names_address_and_cause() -> None:
 
 
 def test_connect_and_listen_errors_in_words() -> None:
-    from aiohttp import ClientConnectorError
     from collections import namedtuple
+
+    from aiohttp import ClientConnectorError
 
     key = namedtuple("Key", "host port is_ssl ssl proxy proxy_auth proxy_headers_hash")(
         "h", 1, False, None, None, None, None)
     dns = socket.gaierror(socket.EAI_NONAME, "Name or service not known")
     assert describe_connect_error(ClientConnectorError(key, dns), "api.exampel.com", 443) == \
         "api.exampel.com:443: name not resolved"
-    assert describe_connect_error(asyncio.TimeoutError(), "10.0.0.5", 8000) == \
+    assert describe_connect_error(TimeoutError(), "10.0.0.5", 8000) == \
         "10.0.0.5:8000: timed out"
     refused = ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 9)")
     assert describe_connect_error(ClientConnectorError(key, refused), "127.0.0.1", 9) == \

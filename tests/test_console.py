@@ -11,8 +11,8 @@ is in flight on which backend.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
-import sys
 import time
 from types import SimpleNamespace
 
@@ -21,7 +21,7 @@ import orjson
 
 from backends.sim import SimConfig, build_app as build_sim
 from gateway import config
-from gateway.console.recorder import ConsoleRecorder, percentiles, stages, _BINS, _bin
+from gateway.console.recorder import _BINS, ConsoleRecorder, _bin, percentiles, stages
 from gateway.server import build_app
 from gateway.slo import SLOClass
 from servers import serve_app
@@ -63,7 +63,8 @@ def test_percentiles_are_within_the_histograms_error() -> None:
     for v in values:
         hist[_bin(v)] += 1
     exact = sorted(values)
-    for q, got in zip((0.5, 0.9, 0.99), percentiles(hist, len(values), (0.5, 0.9, 0.99))):
+    for q, got in zip((0.5, 0.9, 0.99), percentiles(hist, len(values), (0.5, 0.9, 0.99)),
+                      strict=True):
         want = exact[int(q * len(exact)) - 1]
         assert abs(got - want) / want < 0.05, (q, got, want)
     assert percentiles([0] * _BINS, 0, (0.5,)) == [None]
@@ -126,7 +127,7 @@ def test_stages_put_a_stall_before_the_first_token_in_first_token() -> None:
     assert got["decode"]["start_ms"] == 1600 and got["decode"]["ms"] == 200
     # Stages follow each other on the timeline.
     order = [got[k] for k in ("connect", "engine_queue", "prefill", "first_token")]
-    for a, b in zip(order, order[1:]):
+    for a, b in itertools.pairwise(order):
         assert abs(a["start_ms"] + a["ms"] - b["start_ms"]) < 0.01
     # Nothing reported: no queue or prefill is invented; the whole wait is first_token.
     plain = {s["stage"] for s in stages(fake_ctx(ttft_ms=300))}

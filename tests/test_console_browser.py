@@ -16,7 +16,6 @@ import shutil
 import time
 from pathlib import Path
 
-import pytest
 from openai import AsyncOpenAI
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from selenium import webdriver

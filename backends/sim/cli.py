@@ -70,11 +70,16 @@ def run(cfg: SimConfig, host: str, port: int) -> None:
     web.run_app(app, host=host, port=port, handler_cancellation=True, access_log=None, print=_print)
 
 
-def command(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The `slogate sim` subcommand, found by the gateway's CLI through the `slogate.commands`
     entry point group (the gateway imports nothing from the simulator)."""
     sim = sub.add_parser("sim", help="run the built-in engine simulator (OpenAI-compatible)")
     sim.add_argument("--host", default="127.0.0.1")
     sim.add_argument("--port", type=int, default=8000)
     add_arguments(sim)
-    sim.set_defaults(run=lambda args: run(config_from_args(args), args.host, args.port) or 0)
+    sim.set_defaults(run=_run_command)
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    run(config_from_args(args), args.host, args.port)
+    return 0

@@ -28,9 +28,8 @@ from typing import Any
 from gateway.admission import engine_metrics
 from gateway.admission.estimator import ReplicaEstimator
 from gateway.config import AdmissionConfig
-from gateway.errors import OK
+from gateway.errors import OK, GatewayError
 from gateway.exchange import Exchange, now_ns
-from gateway.errors import GatewayError
 from gateway.routing import Replica, Router
 from gateway.telemetry.prometheus import Metrics
 
@@ -101,7 +100,7 @@ class Ticket:
                  "work_at_dispatch", "decoding_at_dispatch", "ahead_at_dispatch", "state",
                  "decoding_sum", "shared_slot")
 
-    def __init__(self, ctrl: "AdmissionController", load: ReplicaLoad, tokens: float,
+    def __init__(self, ctrl: AdmissionController, load: ReplicaLoad, tokens: float,
                  body_bytes: int, tpot_target_s: float, predicted_ttft_s: float,
                  shared_slot: bool) -> None:
         self.ctrl = ctrl
@@ -191,7 +190,7 @@ class Waiter:
         self.t_queued = t_queued
         self.reason = ""
 
-    def __lt__(self, other: "Waiter") -> bool:
+    def __lt__(self, other: Waiter) -> bool:
         return self.key < other.key
 
 
@@ -246,7 +245,7 @@ class AdmissionController:
         if not loads:
             raise GatewayError(404, f"The model '{ctx.model}' does not exist or is not served "
                                "by this gateway.", "model_not_found", param="model")
-        tokens = body_bytes * (sum(l.est.tokens_per_byte for l in loads) / len(loads))
+        tokens = body_bytes * (sum(load.est.tokens_per_byte for load in loads) / len(loads))
         if self._higher_priority_waiting(ctx.slo.cls.priority):
             # Capacity that frees goes to the more important requests already waiting.
             ticket, why_not = None, "priority_wait"
@@ -317,7 +316,7 @@ class AdmissionController:
             if self.shared is not None and not await self.shared.try_acquire(load.replica.name,
                                                                              load.cap):
                 ticket.withdraw()
-                ok = [(p, l) for p, l in ok if l is not load]
+                ok = [(p, other) for p, other in ok if other is not load]
                 why = "concurrency_cap"
                 continue
             return ticket, ""
@@ -367,7 +366,7 @@ class AdmissionController:
                 prefix + pl[1].replica.name.encode(), digest_size=8).digest())
             if pred <= best * (1 + self.cfg.affinity_slack) + 1e-3:
                 return load, pred
-        near = [(p, l) for p, l in ok if p <= best * (1 + TIE_BAND) + 1e-4]
+        near = [(p, load) for p, load in ok if p <= best * (1 + TIE_BAND) + 1e-4]
         pred, load = random.choice(near)
         return load, pred
 
@@ -393,11 +392,11 @@ class AdmissionController:
     def _retry_after_s(self, loads: list[ReplicaLoad]) -> float:
         """When a request like this could be admitted: the time for the prefill work (ours in
         flight and queued) to drain on the least loaded replica."""
-        avail = [l for l in loads if l.replica.available()] or loads
-        drain = min(l.est.predict_ttft(l.work_ahead() + self.queued_tokens / len(avail),
-                                       l.decoding_now(),
-                                       l.requests_ahead() + len(self.queue) / len(avail))
-                    for l in avail)
+        avail = [load for load in loads if load.replica.available()] or loads
+        drain = min(load.est.predict_ttft(load.work_ahead() + self.queued_tokens / len(avail),
+                                          load.decoding_now(),
+                                          load.requests_ahead() + len(self.queue) / len(avail))
+                    for load in avail)
         return max(1.0, drain)
 
     def _reject(self, ctx: Exchange, reason: str, retry_after_s: float) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -55,7 +55,7 @@ async def scrape_forever(session: aiohttp.ClientSession, base_url: str, interval
                 elif not failing:
                     log.warning("engine metrics %s answered %d", url, r.status)
                     failing = True
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
             if not failing:
                 log.warning("engine metrics %s unreachable: %s", url, type(e).__name__)
                 failing = True

@@ -15,7 +15,8 @@ calibrated against reported usage.prompt_tokens.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 class RLS:
@@ -37,7 +38,7 @@ class RLS:
         self.err_var = 0.0  # EWMA of squared residuals (same forgetting)
 
     def predict(self, x: Sequence[float]) -> float:
-        return sum(t * v for t, v in zip(self.theta, x))
+        return sum(t * v for t, v in zip(self.theta, x, strict=True))
 
     def update(self, x: Sequence[float], y: float) -> None:
         n = len(x)
@@ -46,7 +47,7 @@ class RLS:
         denom = self.lam + sum(x[i] * Px[i] for i in range(n))
         k = [v / denom for v in Px]
         err = y - self.predict(x)
-        self.theta = [t + ki * err for t, ki in zip(self.theta, k)]
+        self.theta = [t + ki * err for t, ki in zip(self.theta, k, strict=True)]
         for i in self.nonneg:
             if self.theta[i] < 0:
                 self.theta[i] = 0.0
@@ -113,7 +114,8 @@ class ReplicaEstimator:
             "ttft_model": {"base_s": round(c0, 5), "s_per_1k_prompt_tokens": round(c1, 5),
                            "s_per_1k_tokens_per_decoding_stream": round(c2, 6),
                            "s_per_request_ahead": round(c3, 5),
-                           "observations": self.ttft.n, "stated_error_s": round(self.ttft_error_s, 5)},
+                           "observations": self.ttft.n,
+                           "stated_error_s": round(self.ttft_error_s, 5)},
             "tpot_model": {"base_s": round(a, 6), "s_per_decoding_stream": round(b, 7),
                            "observations": self.tpot.n, "stderr_s": round(self.tpot.stderr, 6)},
             "tokens_per_byte": round(self.tokens_per_byte, 4),

@@ -41,12 +41,12 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from gateway.config import AdmissionConfig
+
 # No CLIENT SETINFO on connect (redis-py >= 7 takes driver_info=None; older, lib_name=None).
 NO_SETINFO: dict[str, Any] = (
     {"driver_info": None} if importlib.util.find_spec("redis.driver_info")
     else {"lib_name": None, "lib_version": None})
-
-from gateway.config import AdmissionConfig
 
 log = logging.getLogger("slogate.admission")
 
@@ -447,7 +447,7 @@ class SharedState:
                     p.hgetall(INFLIGHT_PREFIX + b)
                 views = await self._call(p.execute, epoch=epoch)
             self.global_in_flight = {b: {_s(k): int(v) for k, v in view.items()}
-                                     for b, view in zip(backends, views)}
+                                     for b, view in zip(backends, views, strict=True)}
 
     def _my_work(self) -> dict[str, Any]:
         out: dict[str, Any] = {"t": time.time(), "in_flight": dict(self.local)}

@@ -6,7 +6,7 @@ add one line to PROVIDERS. Adding a client API: write its `Api` and add it to AP
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from gateway.apis import cerebras, chat, groq, messages, responses, vllm
 from gateway.apis.base import Api, Handler, Provider

@@ -12,8 +12,18 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gateway.apis import cerebras, groq, vllm
-from gateway.apis.base import (DONE, NOTHING, TOKEN, VISIBLE_TOKEN, Api, EventInfo, Prepared,
-                               Provider, bounded, json_object)
+from gateway.apis.base import (
+    DONE,
+    NOTHING,
+    TOKEN,
+    VISIBLE_TOKEN,
+    Api,
+    EventInfo,
+    Prepared,
+    Provider,
+    bounded,
+    json_object,
+)
 
 if TYPE_CHECKING:
     from gateway.sse import SSEEvent
@@ -224,9 +234,8 @@ def _needs_usage_injection(body: dict[str, Any], provider: Provider) -> bool:
     # nothing, and stripping what they send unasked would drop fields.
     if provider.usage_in_every_stream:
         return False
-    if asked is None and isinstance(opts, dict) and provider.usage_when_stream_options:
-        return False
-    return True
+    return not (asked is None and isinstance(opts, dict)
+                and provider.usage_when_stream_options)
 
 
 API = ChatCompletions()

@@ -11,8 +11,17 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from gateway.apis.base import (DONE, NOTHING, TOKEN, VISIBLE_TOKEN, Api, EventInfo, Provider,
-                               bounded, json_object)
+from gateway.apis.base import (
+    DONE,
+    NOTHING,
+    TOKEN,
+    VISIBLE_TOKEN,
+    Api,
+    EventInfo,
+    Provider,
+    bounded,
+    json_object,
+)
 
 if TYPE_CHECKING:
     from gateway.sse import SSEEvent

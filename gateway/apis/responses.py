@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gateway.apis import chat
-from gateway.apis.base import (NOTHING, TOKEN, VISIBLE_TOKEN, Api, EventInfo, bounded,
-                               json_object)
+from gateway.apis.base import NOTHING, TOKEN, VISIBLE_TOKEN, Api, EventInfo, bounded, json_object
 
 if TYPE_CHECKING:
     from gateway.sse import SSEEvent

@@ -23,7 +23,8 @@ import itertools
 import math
 import random
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 # The goodput objective the shipped alert rules use (slogate:slo_objective:ratio).
 OBJECTIVE = 0.99
@@ -50,7 +51,7 @@ def _bin_value(i: int) -> float:
     """A representative value of bin i (geometric middle of its bounds)."""
     if i == 0:
         return _BASE_MS
-    return _BASE_MS * _GROWTH ** (i - 0.5)
+    return float(_BASE_MS * _GROWTH ** (i - 0.5))
 
 
 def percentiles(hist: list[int], n: int, qs: Iterable[float]) -> list[float | None]:
@@ -94,7 +95,10 @@ def stages(ctx: Any) -> list[dict[str, Any]]:
     invented: without its queue and prefill times, the whole wait for the first token is
     `first_token`."""
     t0 = ctx.t_received
-    ms = lambda a, b: (b - a) / 1e6  # noqa: E731
+
+    def ms(a: int, b: int) -> float:
+        return (b - a) / 1e6
+
     out: list[dict[str, Any]] = []
 
     def add(stage: str, start: float, dur: float, source: str = "gateway") -> None:
@@ -317,26 +321,26 @@ class ConsoleRecorder:
         if judged:
             allowed = (1 - OBJECTIVE) * judged
             budget = round(max(0.0, 1 - (judged - met) / allowed), 3)
-            burn = round((1 - goodput) / (1 - OBJECTIVE), 2)
+            burn = round((1 - met / judged) / (1 - OBJECTIVE), 2)
         by_epoch = {s.epoch: s for s in live}
         series: dict[str, list[Any]] = {"t": [], "ttft_p50": [], "ttft_p99": [], "tpot_p50": [],
                                         "tpot_p99": [], "goodput": [], "n": []}
         for e in range(first, epoch + 1):
-            s = by_epoch.get(e)
+            slot = by_epoch.get(e)
             series["t"].append(round((e - epoch) * self.slot_s, 1))
-            if s is None:
+            if slot is None:
                 for key in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "goodput"):
                     series[key].append(None)
                 series["n"].append(0)
                 continue
-            a, b = percentiles(s.ttft, s.ttft_n, (0.5, 0.99))
-            c, d = percentiles(s.tpot, s.tpot_n, (0.5, 0.99))
-            series["ttft_p50"].append(a)
-            series["ttft_p99"].append(b)
-            series["tpot_p50"].append(c)
-            series["tpot_p99"].append(d)
-            series["goodput"].append(round(s.met / s.judged, 4) if s.judged else None)
-            series["n"].append(s.n)
+            ttft_50, ttft_99 = percentiles(slot.ttft, slot.ttft_n, (0.5, 0.99))
+            tpot_50, tpot_99 = percentiles(slot.tpot, slot.tpot_n, (0.5, 0.99))
+            series["ttft_p50"].append(ttft_50)
+            series["ttft_p99"].append(ttft_99)
+            series["tpot_p50"].append(tpot_50)
+            series["tpot_p99"].append(tpot_99)
+            series["goodput"].append(round(slot.met / slot.judged, 4) if slot.judged else None)
+            series["n"].append(slot.n)
         return {"target": self.targets.get(name), "requests": n, "judged": judged, "met": met,
                 "goodput": None if goodput is None else round(goodput, 4),
                 "budget_left": budget, "burn_rate": burn,

@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Callable
 from importlib import resources
-from typing import Any, Callable
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -148,7 +149,7 @@ class Console:
                 await resp.write(b"data: " + self.snapshot_bytes() + b"\n\n")
                 try:
                     await asyncio.wait_for(self.closing.wait(), PUSH_INTERVAL_S)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
         except ConnectionResetError:
             pass  # the tab was closed (with handler cancellation, the task is cancelled)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from typing import Any, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
 from prometheus_client.core import HistogramMetricFamily, Metric
-from prometheus_client.samples import Exemplar
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Exemplar
 from prometheus_client.utils import floatToGoString
 
 from gateway.exchange import Exchange
@@ -79,7 +80,7 @@ class Histogram(Collector):
         fam = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
         for labels, (counts, total, exemplars) in list(self._series.items()):
             cum, buckets = 0, []
-            for i, (le, c) in enumerate(zip(self._le, counts)):
+            for i, (le, c) in enumerate(zip(self._le, counts, strict=True)):
                 cum += c
                 ex = exemplars.get(i)
                 buckets.append((le, cum, ex) if ex is not None else (le, cum))
