@@ -44,6 +44,7 @@ class Attempt:
     upstream_model: str
     timeouts: Timeouts
     provider: Provider
+    probe: bool = False  # it holds its replica's half-open probe (the breaker's one trial)
     t_sent: int = 0
     t_end: int = 0
     result: str = ""  # upstream_attempts_total{result} once decided

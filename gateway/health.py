@@ -63,8 +63,8 @@ class Breaker:
         return max(0.0, self.policy.cooldown_s - (self.clock() - self.opened_at))
 
     def release(self) -> None:
-        """The request ended without saying anything about the replica's health (a rate
-        limit, the drain): a half-open probe it held goes to the next request."""
+        """The probe ended without saying anything about the replica's health (a rate limit,
+        the drain, a client that left): the next request may probe."""
         self.probing = False
 
     def success(self) -> None:

@@ -45,6 +45,7 @@ from gateway.errors import (
 )
 from gateway.exchange import Attempt, Exchange, now_ns
 from gateway.headers import client_response_headers, upstream_request_headers
+from gateway.health import HALF_OPEN
 from gateway.netdiag import describe_connect_error
 from gateway.relay import Relay
 
@@ -239,9 +240,15 @@ class Proxy:
             self.metrics.child(self.metrics.attempts, (replica.name, e.result)).inc()
             if e.judges_backend:
                 replica.breaker.failure()
-            else:
+            elif attempt.probe:
                 replica.breaker.release()
             attempt.close()
+            raise
+        except BaseException:
+            # The client left (or a bug of ours): that says nothing about the replica, but a
+            # half-open probe this attempt held must go to the next request.
+            if attempt.probe:
+                replica.breaker.release()
             raise
         self.metrics.child(self.metrics.attempts, (replica.name, ATTEMPT_OK)).inc()
         replica.breaker.success()
@@ -284,7 +291,7 @@ class Proxy:
         if ticket is not None:
             ticket.move(replica)
         attempt = Attempt(replica, upstream_model, overrides.apply(replica.cfg.timeouts),
-                          replica.provider)
+                          replica.provider, probe=replica.breaker.state == HALF_OPEN)
         ex.attempt = attempt
         ex.backend = replica.name
         ex.server_address, ex.server_port = replica.address, replica.port

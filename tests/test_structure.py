@@ -216,3 +216,42 @@ async def test_content_capture_only_when_the_operator_opts_in(capture: bool) -> 
     captured_in = server.attrs["gen_ai.input.messages"]
     assert "a prompt that must not leak" in captured_in and len(captured_in) == 16 * 1024
     assert server.attrs["gen_ai.output.messages"] == text
+
+
+# -- a probe whose client leaves does not leave the breaker half-open for ever ------------------
+
+async def test_probe_abandoned_by_its_client_lets_the_next_request_probe() -> None:
+    calls: list[int] = []
+    app = web.Application()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        calls.append(1)
+        if len(calls) == 1:
+            return web.Response(status=503)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(50):
+            await resp.write(b'data: {"choices":[{"index":0,"delta":{"content":"t%d"}}]}\n\n' % i)
+            await asyncio.sleep(0.05)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app.router.add_post("/{tail:.*}", handler)
+    async with serve_app(app) as up:
+        cfg = config.parse({
+            "auth": {"mode": "open"}, "server": {"access_log": False},
+            "breaker": {"failures": 1, "cooldown_s": 0.2}, "retry": {"max_attempts": 1},
+            "backends": [{"name": "only", "base_url": up + "/v1", "models": ["m"]}]}, env={})
+        async with serve_app(build_app(cfg)) as base:
+            client = AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
+            with pytest.raises(openai.APIStatusError):  # the 503 opens the breaker
+                await client.chat.completions.create(model="m", messages=MSG)
+            await asyncio.sleep(0.25)  # the cooldown passes
+            stream = await client.chat.completions.create(model="m", messages=MSG, stream=True)
+            async for _ in stream:
+                break  # the probe's client leaves after its first chunk
+            await stream.close()
+            stream = await client.chat.completions.create(model="m", messages=MSG, stream=True)
+            text = "".join([c.choices[0].delta.content or "" async for c in stream])
+            await client.close()
+    assert len(calls) == 3 and text.startswith("t0t1")

@@ -102,3 +102,13 @@ async def test_probe_failure_reopens_for_a_full_cooldown() -> None:
     assert (await acquire_all(b, 20)).count(True) == 0
     clock.advance(0.001)
     assert (await acquire_all(b, 20)).count(True) == 1
+
+
+async def test_a_probe_that_says_nothing_hands_the_trial_to_the_next_request() -> None:
+    clock = FakeClock()
+    b, _ = breaker(clock, failures=1, cooldown_s=10.0)
+    b.failure()
+    clock.advance(10.0)
+    assert b.acquire() and not b.acquire()
+    b.release()  # the probe was rate-limited, or its client left: no verdict on the replica
+    assert b.state == HALF_OPEN and (await acquire_all(b, 20)).count(True) == 1
