@@ -78,14 +78,16 @@ async def test_spans_of_a_streamed_request_join_the_callers_trace() -> None:
     (connect,) = rec.by_name("upstream.connect")  # a new pooled connection was opened
     assert connect.parent_id == upstream.span_id
     (queue,) = rec.by_name("gateway.queue")
-    (prefill,) = rec.by_name("upstream.prefill")
+    (headers,) = rec.by_name("upstream.headers")
+    (after,) = rec.by_name("upstream.first_token_after_headers")
     (decode,) = rec.by_name("upstream.decode")
     assert queue.parent_id == server.span_id
-    assert prefill.parent_id == upstream.span_id and decode.parent_id == upstream.span_id
+    for s in (headers, after, decode):
+        assert s.parent_id == upstream.span_id
     ev = server.events
     assert set(ev) >= {"first_event", "first_token", "first_visible", "last_token"}
-    assert server.start <= queue.start <= queue.end <= upstream.start == prefill.start
-    assert prefill.end == ev["first_token"] == decode.start
+    assert server.start <= queue.start <= queue.end <= upstream.start == headers.start
+    assert headers.end == after.start and after.end == ev["first_token"] == decode.start
     assert decode.end == ev["last_token"] <= upstream.end <= server.end
     a = server.attrs
     assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.provider.name"] == "vllm"
@@ -96,6 +98,14 @@ async def test_spans_of_a_streamed_request_join_the_callers_trace() -> None:
     assert a["slogate.backend"] == "sim" and a["server.address"] == "127.0.0.1"
     assert abs(a["slogate.ttft_ms"] - (ev["first_token"] - server.start) / 1e6) < 0.01
     assert a["slogate.tpot_ms"] > 0
+    # The TTFT's stages, under the dashboard's names, add up to the TTFT.
+    stages = {k[len("slogate.ttft."):-3]: v for k, v in a.items()
+              if k.startswith("slogate.ttft.") and k.endswith("_ms")}
+    assert set(stages) >= {"gateway_queue", "upstream_connect", "upstream_headers",
+                           "first_token_after_headers"}
+    assert abs(sum(stages.values()) - a["slogate.ttft_ms"]) < 0.01
+    assert a["slogate.ttft.gateway_queue.source"] == "measured"
+    assert a["slogate.ttft.largest_stage"] in stages and "slogate.ttft.miss_stage" not in a
     # The TTFT bucket that holds this request points at its trace (OpenMetrics exemplar).
     assert any(line.startswith("slogate_time_to_first_token_seconds_bucket")
                and f'# {{trace_id="{caller_trace}"}}' in line
@@ -147,7 +157,7 @@ async def test_provider_reported_stages_become_provider_spans(final, queue, pref
     assert spans["provider.queue"].end == spans["provider.prefill"].start
     assert spans["provider.prefill"].end == spans["provider.decode"].start
     # No stage the provider did not report is made up: gateway-measured spans say so.
-    assert rec.by_name("upstream.prefill")[0].attrs["slogate.timing.source"] == "gateway"
+    assert rec.by_name("upstream.headers")[0].attrs["slogate.timing.source"] == "gateway"
     assert 'slogate_provider_queue_seconds_count{backend="sim",model="m",route="/v1/chat/completions"} 1.0' in prom_text
 
 
