@@ -228,9 +228,21 @@ async def _stream_and_time(session: aiohttp.ClientSession, url: str, headers: di
     return first - t0, ((last - first) / (n - 1) if n > 1 else None)
 
 
+async def _other(session: aiohttp.ClientSession, url: str, headers: dict, stream: bool,
+                 max_tokens: int) -> int:
+    """A request whose answer has no first token (non-streamed, or an error): its status."""
+    async with session.post(url, headers=headers, json={
+            "model": "m", "stream": stream, "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": "hello " * 50}]}) as r:
+        await r.read()
+        return r.status
+
+
 async def test_prometheus_scrape_agrees_with_the_client(caplog) -> None:
     """A real Prometheus scrapes the gateway under load: its P99 TTFT agrees with the client's
-    within one bucket, and its goodput ratio equals the fraction the client computes."""
+    within one bucket, and its goodput ratio equals the fraction the client computes. Slow
+    non-streamed answers (~1.8 s) and upstream errors are mixed in: they are no TTFT (had they
+    been, P99 TTFT would sit near 1.8 s), only E2E."""
     caplog.set_level(logging.INFO, logger="slogate.access")
     sim_app = build_sim(SimConfig(decode_base_ms=3, decode_per_seq_ms=0, max_batch=64,
                                   prefill_tokens_per_s=2e5))
@@ -251,9 +263,19 @@ async def test_prometheus_scrape_agrees_with_the_client(caplog) -> None:
                     ttft, tpot = await _stream_and_time(s, url, headers)
                     results.append((ttft, tpot, slow))
 
+                others: list[tuple[int, bool]] = []
+
+                async def other(i: int) -> None:
+                    if i % 2 == 0:  # a non-streamed answer, slower than any streamed TTFT
+                        others.append((await _other(s, url, {}, False, 600), False))
+                    else:  # an upstream 400 passed through, streamed or not
+                        others.append((await _other(s, url, {"x-sim-status": "400"},
+                                                    i % 4 == 1, 4), i % 4 == 1))
+
                 for batch in range(6):
-                    await asyncio.gather(*(one(batch * 8 + i) for i in range(8)))
-                n = len(results)
+                    await asyncio.gather(*(one(batch * 8 + i) for i in range(8)),
+                                         *(other(batch * 4 + i) for i in range(4)))
+                n = len(results) + len(others)
                 for _ in range(100):
                     if await prom.scalar("sum(slogate_requests_total)") == n:
                         break
@@ -265,16 +287,23 @@ async def test_prometheus_scrape_agrees_with_the_client(caplog) -> None:
                 good = await prom.scalar(
                     'sum(slogate_slo_requests_total{verdict="met"}) / sum(slogate_slo_requests_total)')
                 per_class = await prom.query('sum by (slo_class, verdict) (slogate_slo_requests_total)')
+                ttft_count = await prom.scalar("sum(slogate_time_to_first_token_seconds_count)")
+                e2e_unstreamed = await prom.scalar(
+                    'sum(slogate_request_duration_seconds_count{stream="false"})')
     from gateway.telemetry.prometheus import LATENCY_BUCKETS
     client_p99 = _pct([r[0] for r in results], 0.99)
     bounds = sorted(set(LATENCY_BUCKETS) | {0.3, 0.05})
     idx = lambda v: next(i for i, b in enumerate(bounds + [float("inf")]) if v <= b)
     assert abs(idx(p99) - idx(client_p99)) <= 1, (p99, client_p99)
+    assert ttft_count == len(results)  # streamed answers with a first token, nothing else
+    assert e2e_unstreamed == sum(1 for _, streamed in others if not streamed)
+    assert sorted({status for status, _ in others}) == [200, 400]
     met = sum(1 for ttft, tpot, slow in results if ttft <= 0.3 and (tpot is None or tpot <= 0.05))
     assert good == pytest.approx(met / n)
-    assert met == n - sum(1 for r in results if r[2])
+    assert met == len(results) - sum(1 for r in results if r[2])
     assert {r["metric"]["slo_class"] for r in per_class} == {"interactive"}
-    assert {r["metric"]["verdict"] for r in per_class} == {"met", "ttft_missed"}
+    # the slow non-streamed answers miss on their whole answer; errors fail
+    assert {r["metric"]["verdict"] for r in per_class} == {"met", "ttft_missed", "failed"}
 
 
 async def test_gateway_ttft_matches_client_ttft_on_loopback() -> None:
