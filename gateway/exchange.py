@@ -81,7 +81,7 @@ class Exchange:
         "provider_prefill_s", "provider_decode_s", "provider_prefill_inferred", "slo",
         "verdict", "model_label", "ttft_split",
         "interruption", "trace", "server_address", "server_port", "tenant",
-        "admission", "t_admitted", "t_last_event", "t_dispatched", "attempts", "on_first_token",
+        "admission", "t_queued", "t_admitted", "t_last_event", "t_dispatched", "attempts", "on_first_token",
         # the phases' working state
         "api", "operation", "key", "body", "parsed", "attempt", "ticket", "response",
         "retry_budget_at", "last_failure", "captured_output",
@@ -131,6 +131,7 @@ class Exchange:
         self.server_port: int | None = None
         self.tenant: str | None = None  # from the gateway key; logs only, never a metric label
         self.admission: tuple[str, str] | None = None  # (decision, reason)
+        self.t_queued = 0  # entered the admission queue (0: never queued)
         self.t_admitted = 0  # left the admission queue (0: never queued)
         self.t_last_event = 0  # last upstream SSE event (idle deadline)
         self.t_dispatched = 0  # first upstream attempt sent (end of the gateway queue)

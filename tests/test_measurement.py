@@ -333,6 +333,14 @@ async def test_a_missed_ttft_names_the_stage_that_took_longest(stage: str, caplo
         assert server.attrs[f"slogate.ttft.{stage}.source"] in ("measured", "inferred")
     if stage == "prefill":
         assert rec["prompt_length"] == "4k-16k"
+    if stage == "gateway_queue":  # the wait was admission's, and every sink says so
+        wait = rec["ms"]["admission_wait"]
+        assert wait > 0.8 * stages["gateway_queue"]
+        (span,) = [sp for sp in otlp[RECEIVER].by_name("gateway.admission_wait")
+                   if sp.parent_id == server.span_id]
+        assert abs((span.end - span.start) / 1e6 - wait) < 0.002
+        assert total(m, "slogate_admission_queue_wait_seconds_sum") == pytest.approx(
+            wait / 1e3, abs=2e-6)
 
 
 # -- the prefix cache --------------------------------------------------------------------------

@@ -58,6 +58,11 @@ GATEWAY_QUEUE = Duration(
     "the request was sent upstream (ends at the first attempt's send: body, admission wait, "
     "routing; later attempts are `retries`)",
     "`slogate_gateway_queue_seconds`, span `gateway.queue`, log")
+ADMISSION_WAIT = Duration(
+    "admission_wait", "t_queued", "t_admitted",
+    "the request waited in the admission queue (until admitted, refused or gone); part of "
+    "`gateway_queue`",
+    "`slogate_admission_queue_wait_seconds`, span `gateway.admission_wait`, log")
 RETRIES = Duration(
     "retries", "t_dispatched", "t_sent",
     "an attempt failed before the one that answered (failed attempts and backoff)",
@@ -103,7 +108,7 @@ E2E = Duration(
     "`slogate_request_duration_seconds{stream}`, OTLP `gen_ai.client.operation.duration`, "
     "the SERVER span's extent, log")
 
-DURATIONS: tuple[Duration, ...] = (BODY, GATEWAY_QUEUE, RETRIES, UPSTREAM_CONNECT,
+DURATIONS: tuple[Duration, ...] = (BODY, ADMISSION_WAIT, GATEWAY_QUEUE, RETRIES, UPSTREAM_CONNECT,
                                    UPSTREAM_HEADERS, FIRST_CHUNK, TTFT, UPSTREAM_TTFT,
                                    FIRST_VISIBLE, DECODE, FINAL_TOKEN, E2E)
 

@@ -249,6 +249,9 @@ class Metrics:
             self.tpot.observe(with_slo, tpot)
         if len(ctx.token_ns) > 1:
             self.itl.observe_gaps_ns(base, ctx.token_ns)
+        wait = D.ADMISSION_WAIT.seconds(ctx)
+        if wait is not None:
+            self.queue_wait.observe((slo_name,), wait)
         queue = D.GATEWAY_QUEUE.seconds(ctx)
         if queue is not None:
             self.gateway_queue.observe(base, queue)

@@ -231,6 +231,9 @@ class Tracing:
         if D.GATEWAY_QUEUE.ns(ctx) is not None:
             child("gateway.queue", spans.server_ctx, epoch_ns(ctx.t_received),
                   epoch_ns(ctx.t_dispatched))
+        if D.ADMISSION_WAIT.ns(ctx) is not None:
+            child("gateway.admission_wait", spans.server_ctx, epoch_ns(ctx.t_queued),
+                  epoch_ns(ctx.t_admitted))
         up = spans.upstream
         if up is not None:
             up_ctx = trace.set_span_in_context(up)
