@@ -452,8 +452,8 @@ class Proxy:
         """A response that is not an event stream (non-stream answer or an upstream error):
         read it whole and pass status, headers and body through."""
         body = await _read_bounded(up, MAX_ERROR_BODY if up.status >= 400 else None)
-        t = now_ns()
-        ex.t_first_event = ex.t_first_token = ex.t_last_token = t
+        # No token stamps: a whole answer has no first token (it is measured by e2e), and an
+        # error answer never has one.
         if up.status < 400:
             ex.read_facts(api.observe_response(body))
             if self._capturing(ex):
