@@ -19,6 +19,7 @@ from prometheus_client.samples import Exemplar
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from gateway import limits
 from gateway.context import RequestContext
 
 # TTFT / E2E reach 600 s (reasoning models think for minutes); fine enough at the low end for
@@ -181,6 +182,20 @@ class Metrics:
                                   "use (redis = shared across gateways, local = this gateway's "
                                   "share only, Redis unreachable).", ("state",),
                                   registry=self.registry)
+        # The trust boundary: every limit counted (closed label sets, all exposed from zero).
+        self.limits_exceeded = Counter("slogate_limits_exceeded",
+                                       "Requests and upstream attempts refused or ended by a "
+                                       "limit (body timeout, event / response size, ...).",
+                                       ("limit",), registry=self.registry)
+        self.connections_rejected = Counter("slogate_connections_rejected",
+                                            "Client connections refused or closed by a listener "
+                                            "limit.", ("reason",), registry=self.registry)
+        self.open_connections = Gauge("slogate_open_connections",
+                                      "Client connections open now.", registry=self.registry)
+        for name in limits.LIMITS:
+            self.limits_exceeded.labels(name)
+        for name in limits.CONNECTION_REASONS:
+            self.connections_rejected.labels(name)
         for cls in slo_classes:
             self.queue_depth.labels(cls).set(0)
         for name in backend_names:
@@ -235,3 +250,5 @@ class Metrics:
             child(self.cancellations, base + (ctx.cancel_phase,)).inc()
         if ctx.interruption:
             child(self.interruptions, base + (ctx.interruption,)).inc()
+        for name in limits.hits(ctx):
+            child(self.limits_exceeded, (name,)).inc()
