@@ -23,7 +23,8 @@ from gateway import deadlines
 from gateway.context import (GATEWAY_ERROR, OK, TIMEOUT, UPSTREAM_ERROR, UPSTREAM_TRUNCATED,
                              RequestContext, now_ns)
 from gateway.deadlines import Watchdog
-from gateway.sse import SSEParser
+from gateway.limits import EVENT_TOO_LARGE, EventTooLarge
+from gateway.sse import DEFAULT_MAX_EVENT_BYTES, SSEParser
 
 HOLD_LIMIT = 64 * 1024
 PING = b": ping\n\n"
@@ -72,7 +73,8 @@ class Relay:
 
     def __init__(self, request: web.Request, ctx: RequestContext, up: aiohttp.ClientResponse,
                  observer, api, headers, *, hold_until_first_token: bool, watchdog: Watchdog,
-                 keepalive_s: float = 0.0) -> None:
+                 keepalive_s: float = 0.0,
+                 max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
         self.request = request
         self.ctx = ctx
         self.up = up
@@ -82,6 +84,8 @@ class Relay:
         self.hold = hold_until_first_token
         self.watchdog = watchdog
         self.keepalive_s = keepalive_s
+        self.max_event_bytes = max_event_bytes  # one event, and all that is held before commit
+        self.held_bytes = 0
         self.client: web.StreamResponse | None = None
         self.held: list[bytes] = []  # before commit
         self.t_last_write = 0
@@ -125,7 +129,7 @@ class Relay:
 
     async def _run(self) -> web.StreamResponse:
         ctx = self.ctx
-        parser = SSEParser()
+        parser = SSEParser(self.max_event_bytes)
         feed = parser.feed
         on_event = self.observer.on_event
         pending = b""  # start of an incomplete event
@@ -188,8 +192,12 @@ class Relay:
                 else:
                     if out:
                         self.held.append(out)
+                        self.held_bytes += len(out)
                     if not self.hold or ctx.t_first_token or ctx.done or ctx.error_type:
                         await self._commit()
+                    elif self.held_bytes + len(pending) > self.max_event_bytes:
+                        raise EventTooLarge(self.held_bytes + len(pending), self.max_event_bytes,
+                                            "answer without a first token")
                 ctx.overhead_ns += now_ns() - t
         except asyncio.CancelledError:
             reason = self.watchdog.claim()
@@ -201,6 +209,8 @@ class Relay:
                                               else GATEWAY_ERROR, f"The stream was ended: {reason}.")
         except (aiohttp.ClientError, asyncio.TimeoutError):
             ctx.error_type = "upstream_connection_lost"
+        except EventTooLarge as e:
+            return await self._too_large(e)
         if ctx.done:
             if self.client is None:
                 await self._commit()
@@ -217,6 +227,15 @@ class Relay:
         return await self._end_with_error(ctx.error_type or "stream_truncated",
                                           UPSTREAM_TRUNCATED, "The upstream closed the stream "
                                           "before it was complete.", code="stream_truncated")
+
+    async def _too_large(self, e: EventTooLarge) -> web.StreamResponse:
+        """Before commit a failed attempt (retried once: a second upstream may behave, a third
+        read of the same flood would not help); after commit an error event."""
+        self.held = []
+        if self.client is None:
+            again = not any(a.result == EVENT_TOO_LARGE for a in self.ctx.attempts)
+            raise AttemptFailed(EVENT_TOO_LARGE, 502, str(e), EVENT_TOO_LARGE, retryable=again)
+        return await self._end_with_error(EVENT_TOO_LARGE, UPSTREAM_ERROR, str(e))
 
     async def _end_with_error(self, reason: str, outcome: str, message: str,
                               code: str | None = None) -> web.StreamResponse:
