@@ -18,7 +18,7 @@ from tenacity import (AsyncRetrying, RetryCallState, retry_if_exception, stop_af
                       wait_random_exponential)
 
 import backends
-from gateway import deadlines, ingress
+from gateway import deadlines, ingress, limits
 from gateway.admission.controller import AdmissionController, prefix_key
 from gateway.auth import AuthPolicy
 from gateway.config import Config
@@ -76,7 +76,8 @@ class Proxy:
             if key is not None:
                 ctx.tenant = key.tenant
             ctx.slo = self.slo.target_for(route, request.headers)
-            body = await ingress.read_body(request, self.max_body_bytes)
+            body = await ingress.read_body(request, self.max_body_bytes,
+                                           self.cfg.server.body_timeout_s)
             ctx.t_body = now_ns()
             parsed = ingress.parse_json(body)
             ctx.model = ingress.model_of(parsed)
@@ -236,7 +237,9 @@ class Proxy:
             send["model"] = upstream_model
             changed = True
         data = orjson.dumps(send) if changed else body
-        headers = upstream_request_headers(headers_in, forward_auth=replica.cfg.forward_client_auth)
+        headers = upstream_request_headers(headers_in, forward_auth=replica.cfg.forward_client_auth,
+                                           forward=replica.cfg.forward_headers,
+                                           deny=replica.cfg.deny_headers)
         headers["Content-Type"] = "application/json"
         headers["X-Request-Id"] = ctx.request_id
         btype = backends.backend_type(replica.cfg.type)
@@ -292,7 +295,8 @@ class Proxy:
             post_kw["timeout"] = aiohttp.ClientTimeout(total=None, connect=None,
                                                        sock_connect=connect_s)
         try:
-            up = await replica.session.post(url, data=data, headers=headers, **post_kw)
+            up = await replica.session.post(url, data=data, headers=headers,
+                                            allow_redirects=False, **post_kw)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise AttemptFailed("connect_error", 502, f"Backend '{replica.name}' is unreachable: "
                                 f"{type(e).__name__}.", "upstream_unreachable") from None
@@ -300,6 +304,10 @@ class Proxy:
         ctx.t_headers = now_ns()
         ctx.status = up.status
         extra = ((REQUEST_ID_HEADER, ctx.request_id),)
+        if 300 <= up.status < 400:  # never followed: our upstream key would go along
+            raise AttemptFailed(limits.UPSTREAM_REDIRECT, 502, f"Backend '{replica.name}' "
+                                f"answered {up.status} (a redirect); the gateway does not "
+                                "follow redirects.", limits.UPSTREAM_REDIRECT)
         if up.status in self.retry.statuses:
             raise await self._retryable_status(up, extra)
         ctype = up.headers.get("Content-Type", "")
@@ -308,7 +316,8 @@ class Proxy:
         headers_out = client_response_headers(up.headers, event_stream=True, extra=extra)
         relay = Relay(request, ctx, up, api.StreamObserver(ctx), api, headers_out,
                       hold_until_first_token=self.hold_until_first_token, watchdog=watchdog,
-                      keepalive_s=self.keepalive_s)
+                      keepalive_s=self.keepalive_s,
+                      max_event_bytes=self.cfg.server.max_event_bytes)
         return await relay.run()
 
     async def _retryable_status(self, up: aiohttp.ClientResponse, extra) -> AttemptFailed:
@@ -340,7 +349,14 @@ class Proxy:
                      extra) -> web.StreamResponse:
         """A response that is not an event stream (non-stream answer or an upstream error):
         read it whole and pass status, headers and body through."""
-        body = await _read_bounded(up, MAX_ERROR_BODY if up.status >= 400 else None)
+        if up.status >= 400:
+            body = await _read_bounded(up, MAX_ERROR_BODY)
+        else:
+            try:
+                body = await limits.read_capped(up, self.cfg.server.max_response_bytes)
+            except limits.ResponseTooLarge as e:
+                raise AttemptFailed(limits.RESPONSE_TOO_LARGE, 502, str(e),
+                                    limits.RESPONSE_TOO_LARGE, retryable=False) from None
         t = now_ns()
         ctx.t_first_event = ctx.t_first_token = ctx.t_last_token = t
         if up.status < 400:
