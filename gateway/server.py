@@ -15,7 +15,7 @@ import backends
 from backends import anthropic as anthropic_api
 from backends import openai as openai_api
 from gateway import config as config_mod
-from gateway import deadlines
+from gateway import deadlines, listener
 from gateway.config import Config
 from gateway.admission.controller import AdmissionController
 from gateway.errors import GatewayError
@@ -42,6 +42,7 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
               otlp_metrics: OTLPMetrics | None = None) -> web.Application:
     """The gateway app. `tracing`/`otlp_metrics` default to what the config and the standard
     OTEL_* variables say (tests pass their own exporters)."""
+    listener.install_log_redaction()
     # The body limit is enforced by ingress (with a clear error), not by aiohttp's reader.
     app = web.Application(client_max_size=cfg.server.max_body_bytes + 1)
     app[CONFIG_KEY] = cfg
@@ -201,15 +202,28 @@ async def drain(app: web.Application, timeout_s: float) -> None:
             await asyncio.sleep(0.01)
 
 
+async def start(app: web.Application, cfg: Config, host: str,
+                port: int) -> tuple[web.AppRunner, listener.GuardedSite]:
+    """Listen with the listener limits of [server] (header deadline, idle keep-alive timeout,
+    connection caps in total and per client address, descriptor budget)."""
+    s = cfg.server
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=s.drain_timeout_s + 5,
+                           **listener.runner_kwargs(s))
+    await runner.setup()
+    max_conns = listener.fd_budget(s.max_connections, sum(b.pool_size for b in cfg.backends))
+    guard = listener.ConnectionGuard(max_conns, s.max_connections_per_client,
+                                     s.header_timeout_s, app[METRICS_KEY])
+    site = listener.GuardedSite(runner, host, port, guard)
+    await site.start()
+    return runner, site
+
+
 async def serve(cfg: Config, host: str, port: int) -> None:
     """Serve until SIGTERM/SIGINT, then drain: /readyz turns false, listening stops after the
     readiness grace, requests in flight get the drain timeout."""
     app = build_app(cfg)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=cfg.server.drain_timeout_s + 5)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
+    runner, site = await start(app, cfg, host, port)
     # Everything allocated so far lives for the process; keep the collector off it, and
     # collect the young generation less often (the relay allocates a little per read).
     gc.freeze()
