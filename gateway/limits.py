@@ -97,13 +97,23 @@ async def read_capped(up: aiohttp.ClientResponse, limit: int) -> bytes:
 
 # -- raw answers where no request (or no API) is known yet -------------------------------------
 
-def _raw_answer(status: int, reason: str, message: str, code: str,
-                retry_after: int | None = None) -> bytes:
+def _body(status: int, message: str, code: str) -> bytes:
     # Both SDKs read `error.message`; the body carries both shapes' fields (OpenAI: message,
     # type, param, code; Anthropic: top-level type "error", error.type, error.message).
-    body = orjson.dumps({"type": "error", "error": {
-        "message": message, "type": "overloaded_error" if status == 503 else "timeout_error",
-        "param": None, "code": code}})
+    kind = {503: "overloaded_error", 408: "timeout_error"}.get(status, "invalid_request_error")
+    return orjson.dumps({"type": "error", "error": {
+        "message": message, "type": kind, "param": None, "code": code}})
+
+
+def malformed_request(status: int) -> bytes:
+    return _body(status, "The request is not valid HTTP/1.1 (a request line or header that "
+                 "cannot be parsed, e.g. a control character in a header value).",
+                 "malformed_request")
+
+
+def _raw_answer(status: int, reason: str, message: str, code: str,
+                retry_after: int | None = None) -> bytes:
+    body = _body(status, message, code)
     head = [f"HTTP/1.1 {status} {reason}", "Content-Type: application/json",
             f"Content-Length: {len(body)}", "Connection: close"]
     if retry_after is not None:
@@ -126,7 +136,7 @@ def header_timeout(seconds: float) -> bytes:
 
 _CREDENTIAL = re.compile(
     r"(?i)((?:proxy-)?authorization|x-api-key|api-key|cookie|set-cookie|x-goog-api-key)"
-    r"(['\"]?\s*[:=,]\s*b?['\"]?)([^\r\n'\"]*)")
+    r"(['\"]?\s*[:=,]\s*(?-i:b)?['\"]?)([^\r\n'\"]*)")
 _BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[^\s'\"\\]+")
 _KEYLIKE = re.compile(r"\b(sk|gw|pk|rk)-[A-Za-z0-9_\-]{6,}")
 

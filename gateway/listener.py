@@ -23,6 +23,7 @@ import resource
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from gateway import limits
@@ -117,10 +118,32 @@ class GuardedHandler(RequestHandler):
         self._disarm()
         self._busy = True
         try:
-            return await super()._handle_request(request, start_time, request_handler)
+            resp, reset = await super()._handle_request(request, start_time, request_handler)
+            if resp.headers.get("Connection", "").lower() == "close" and not reset:
+                # e.g. ingress's 408 for a body that never came: no lingering read of it
+                self.force_close()
+            return resp, reset
         finally:
             self._busy = False
             self._got_bytes = False
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """aiohttp's answer to a request it could not parse quotes the offending header line
+        (a key with a control character, say) in the body and logs a traceback at ERROR. A
+        malformed request is the client's doing: one redacted warning line, and a short JSON
+        error that echoes nothing."""
+        if not isinstance(exc, HttpProcessingError) or status >= 500:
+            return super().handle_error(request, status, exc, message)
+        log.warning("malformed request from %s: %s", request.remote,
+                    limits.clip(limits.redact(str(getattr(exc, "message", "")).split("\n")[0]),
+                                128))
+        if request.writer.output_size > 0:
+            raise ConnectionError("Response is sent already")
+        resp = web.Response(status=status, content_type="application/json",
+                            body=limits.malformed_request(status))
+        resp.force_close()
+        return resp
 
     def _arm(self) -> None:
         self._disarm()
