@@ -51,6 +51,7 @@ def trap_app() -> web.Application:
 def hostile_app(trap_url: str, cap: int = 256 << 20) -> web.Application:
     app = web.Application(client_max_size=1 << 20)
     app[SEEN] = []
+    bomb = gzip_bomb()  # made once, before any attack (it takes ~2 s of CPU)
     chunk_64k = b"x" * 65536
     role = b'data: {"id":"h","object":"chat.completion.chunk","choices":[{"index":0,' \
            b'"delta":{"role":"assistant"}}]}\n\n'
@@ -70,7 +71,7 @@ def hostile_app(trap_url: str, cap: int = 256 << 20) -> web.Application:
         if model == "redirect":
             raise web.HTTPTemporaryRedirect(trap_url + "/steal")
         if model == "bomb":
-            return web.Response(body=gzip_bomb(), headers={
+            return web.Response(body=bomb, headers={
                 "Content-Type": "application/json", "Content-Encoding": "gzip"})
         if model == "cookie":
             app[SEEN].append(dict(request.headers))
