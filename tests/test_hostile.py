@@ -112,6 +112,41 @@ async def test_trickled_headers_get_408_and_idle_connections_are_closed(monkeypa
         await until(lambda: site.guard.open <= 1)
 
 
+async def read_response(r: asyncio.StreamReader) -> bytes:
+    head = await r.readuntil(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
+    return head + await r.readexactly(length)
+
+
+async def test_kept_alive_connection_gets_the_header_deadline_and_the_idle_timeout(
+        monkeypatch) -> None:
+    async with stack(monkeypatch, header_timeout_s=0.5, idle_connection_timeout_s=30) \
+            as (gw, site, _):
+        # A second request trickled after a first one: the deadline restarts with its first byte.
+        r, w = await asyncio.open_connection("127.0.0.1", port_of(gw))
+        w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert hostile.status_of(await read_response(r)) == 200
+        await asyncio.sleep(0.7)  # idle longer than the header deadline: that is not a timeout
+        w.write(b"GET /hea")
+        t0 = asyncio.get_running_loop().time()
+        rest = await asyncio.wait_for(r.read(), 5)
+        assert hostile.status_of(rest) == 408
+        assert 0.4 < asyncio.get_running_loop().time() - t0 < 3
+        w.close()
+        await until(lambda: site.guard.open == 0)
+    # An idle kept-alive connection is closed after idle_connection_timeout_s.
+    async with stack(monkeypatch, header_timeout_s=30, idle_connection_timeout_s=0.5) \
+            as (gw, site, _):
+        r, w = await asyncio.open_connection("127.0.0.1", port_of(gw))
+        w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert hostile.status_of(await read_response(r)) == 200
+        t0 = asyncio.get_running_loop().time()
+        assert await asyncio.wait_for(r.read(), 5) == b""
+        assert asyncio.get_running_loop().time() - t0 < 3
+        w.close()
+        await until(lambda: site.guard.open == 0)
+
+
 @pytest.mark.parametrize("keys,reason", [
     ({"max_connections": 3, "max_connections_per_client": 0}, "max_connections"),
     ({"max_connections": 100, "max_connections_per_client": 3}, "max_connections_per_client"),
