@@ -310,6 +310,7 @@ async def test_hostile_upstream_and_clients_at_once_while_20_streams_run(monkeyp
             async with slogate("serve", "--config", str(cfg_path), ready_path="/readyz",
                                env={"SLOGATE_TEST_EVIL_KEY": UPSTREAM_KEY}) as gw:
                 await _attack(gw, sim_url, good)
+            assert trap[hostile.TRAP_HITS] == []  # no redirect was followed
         finally:
             cfg_path.unlink(missing_ok=True)
 
