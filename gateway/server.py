@@ -15,7 +15,7 @@ import backends
 from backends import anthropic as anthropic_api
 from backends import openai as openai_api
 from gateway import config as config_mod
-from gateway import deadlines, listener
+from gateway import deadlines, limits, listener
 from gateway.config import Config
 from gateway.admission.controller import AdmissionController
 from gateway.errors import GatewayError
@@ -146,7 +146,8 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
     async def not_found(request: web.Request) -> web.Response:
         return web.Response(status=404, content_type="application/json",
                             body=client_api(request).error_body(
-                                404, f"Unknown route {request.method} {request.path}.",
+                                404, f"Unknown route {limits.clip(request.method, 16)} "
+                                f"{limits.clip(request.path)}.",
                                 "unknown_route"))
 
     for path in backends.APIS:

@@ -213,6 +213,8 @@ async def test_echoed_names_are_bounded(monkeypatch, caplog) -> None:
         async with s.post(gw + "/v1/chat/completions", headers={**AUTH, "x-slo-class": "C" * 5000},
                           json=GOOD) as r:
             assert r.status == 400 and len(await r.read()) < 1024
+        async with s.get(gw + "/v1/" + "p" * 8000) as r:  # an unknown route is quoted cut
+            assert r.status == 404 and len(await r.read()) < 1024
         assert max(len(rec.getMessage()) for rec in caplog.records) < 4096
         assert await metric(s, gw, "slogate_limits_exceeded_total", "string_too_long") == 1
 
