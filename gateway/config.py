@@ -53,6 +53,21 @@ class ServerConfig:
     # SSE comment pings while a committed stream is silent this long (0 = off). Before commit,
     # the first ping commits the response (failover is possible only before that).
     keepalive_s: float = 0.0
+    # Listener limits (hostile clients): request headers must be complete this long after the
+    # connection opened or the previous response ended (408, then close); the body must arrive
+    # within body_timeout_s (408); an idle keep-alive connection is closed after
+    # idle_connection_timeout_s; open connections are capped in total and per client address
+    # (0 = no per-address cap: set it to 0 behind a proxy or load balancer).
+    header_timeout_s: float = 15.0
+    body_timeout_s: float = 60.0
+    idle_connection_timeout_s: float = 75.0
+    max_connections: int = 4096
+    max_connections_per_client: int = 256
+    # Upstream limits (hostile upstreams): one SSE event, and what is held before the first
+    # token, at most max_event_bytes; a non-streamed answer at most max_response_bytes
+    # (decompressed).
+    max_event_bytes: int = 8 * 1024 * 1024
+    max_response_bytes: int = 32 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -123,6 +138,11 @@ class BackendConfig:
     max_concurrency: int = 0  # admission's per-replica cap (0 = [admission].max_concurrency)
     # send max_completion_tokens as max_tokens (llama.cpp's server ignores the newer name)
     rename_max_completion_tokens: bool = False
+    # Header policy (gateway/headers.py): client headers dropped by default that this backend
+    # gets anyway (e.g. "OpenAI-Organization"), and forwarded ones it must not get
+    # (e.g. "anthropic-beta").
+    forward_headers: tuple[str, ...] = ()
+    deny_headers: tuple[str, ...] = ()
 
     @property
     def wildcard(self) -> bool:
@@ -382,8 +402,9 @@ def _server(table: Any) -> ServerConfig:
     commit = _typed("server", table, "commit", str, d.commit, '"first_token" or "headers"')
     if commit not in ("first_token", "headers"):
         raise ConfigError("server.commit", commit, '"first_token" or "headers"')
-    def seconds(key: str) -> float:
-        return _seconds("server", table, key, getattr(d, key))
+
+    def seconds(key: str, positive: bool = False) -> float:
+        return _seconds("server", table, key, getattr(d, key), positive)
 
     return ServerConfig(
         host=_typed("server", table, "host", str, d.host, "a host name or address"),
@@ -394,7 +415,24 @@ def _server(table: Any) -> ServerConfig:
         drain_timeout_s=seconds("drain_timeout_s"),
         readiness_grace_s=seconds("readiness_grace_s"),
         keepalive_s=seconds("keepalive_s"),
+        header_timeout_s=seconds("header_timeout_s", True),
+        body_timeout_s=seconds("body_timeout_s", True),
+        idle_connection_timeout_s=seconds("idle_connection_timeout_s", True),
+        max_connections=_count("server", table, "max_connections", d.max_connections, 1),
+        max_connections_per_client=_count("server", table, "max_connections_per_client",
+                                          d.max_connections_per_client, 0),
+        max_event_bytes=_count("server", table, "max_event_bytes", d.max_event_bytes, 1024),
+        max_response_bytes=_count("server", table, "max_response_bytes", d.max_response_bytes,
+                                  1024),
     )
+
+
+def _count(where: str, table: dict[str, Any], key: str, default: int, minimum: int) -> int:
+    expected = f"an integer >= {minimum}"
+    value: int = _typed(where, table, key, int, default, expected)
+    if value < minimum:
+        raise ConfigError(f"{where}.{key}", value, expected)
+    return value
 
 
 def _seconds(where: str, table: dict[str, Any], key: str, default: float,
@@ -567,7 +605,18 @@ def _backend(i: int, table: Any, default_timeouts: Timeouts) -> BackendConfig:
                                "an integer >= 0 (0 = the [admission] default)"),
         rename_max_completion_tokens=_typed(where, table, "rename_max_completion_tokens", bool,
                                             False, "true or false"),
+        forward_headers=_header_names(where, table, "forward_headers"),
+        deny_headers=_header_names(where, table, "deny_headers"),
     )
+
+
+def _header_names(where: str, table: dict[str, Any], key: str) -> tuple[str, ...]:
+    names = table.get(key, [])
+    if not isinstance(names, list) or not all(
+            isinstance(n, str) and n and n.isascii() and ":" not in n for n in names):
+        raise ConfigError(f"{where}.{key}", names, 'a list of header names such as '
+                          '["OpenAI-Organization"]')
+    return tuple(n.lower() for n in names)
 
 
 def _health_path(where: str, table: dict[str, Any]) -> str:

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar
 from prometheus_client.utils import floatToGoString
 
+from gateway import limits
 from gateway.exchange import Exchange
 from gateway.telemetry import durations as D
 from gateway.telemetry.attribution import cache_bucket, prompt_bucket
@@ -207,6 +208,20 @@ class Metrics:
                                   "use (redis = shared across gateways, local = this gateway's "
                                   "share only, Redis unreachable).", ("state",),
                                   registry=self.registry)
+        # The trust boundary: every limit counted (closed label sets, all exposed from zero).
+        self.limits_exceeded = Counter("slogate_limits_exceeded",
+                                       "Requests and upstream attempts refused or ended by a "
+                                       "limit (body timeout, event / response size, ...).",
+                                       ("limit",), registry=self.registry)
+        self.connections_rejected = Counter("slogate_connections_rejected",
+                                            "Client connections refused or closed by a listener "
+                                            "limit.", ("reason",), registry=self.registry)
+        self.open_connections = Gauge("slogate_open_connections",
+                                      "Client connections open now.", registry=self.registry)
+        for name in limits.LIMITS:
+            self.limits_exceeded.labels(name)
+        for name in limits.CONNECTION_REASONS:
+            self.connections_rejected.labels(name)
         for cls in slo_classes:
             self.queue_depth.labels(cls).set(0)
         for name in backend_names:
@@ -281,3 +296,5 @@ class Metrics:
             child(self.cancellations, base + (ctx.cancel_phase,)).inc()
         if ctx.interruption:
             child(self.interruptions, base + (ctx.interruption,)).inc()
+        for name in limits.hits(ctx):
+            child(self.limits_exceeded, (name,)).inc()
