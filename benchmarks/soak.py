@@ -46,6 +46,7 @@ from pathlib import Path
 
 import aiohttp
 
+from benchmarks.procstat import open_fds, rss_mib
 from gateway import demo
 
 MAX_BATCH, BASE_MS, PER_SEQ_MS, TOKENS = 16, 20.0, 0.5, 32
@@ -64,18 +65,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 async def gauges(s: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -203,7 +192,7 @@ async def _soak(pid: int, url: str, port: int, duration: float, load: float, see
     conn = aiohttp.TCPConnector(limit=0)
     s = aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120))
     await asyncio.sleep(1.0)
-    base = {"rss": rss_mib(pid), "fds": fds(pid), **(await gauges(probe, url))}
+    base = {"rss": rss_mib(pid), "fds": open_fds(pid), **(await gauges(probe, url))}
     samples: list[dict[str, float]] = []
     results: Counter[str] = Counter()
     by_kind: dict[str, Counter[str]] = {k: Counter() for k in names}
@@ -221,7 +210,7 @@ async def _soak(pid: int, url: str, port: int, duration: float, load: float, see
         while True:
             g = await gauges(probe, url)
             samples.append({"t": round(time.monotonic() - t0, 2), "rss_mib": rss_mib(pid),
-                            "fds": fds(pid), "in_flight": g["slogate_requests_in_flight"],
+                            "fds": open_fds(pid), "in_flight": g["slogate_requests_in_flight"],
                             "open_connections": g["slogate_open_connections"],
                             "client_tasks": len(tasks)})
             await asyncio.sleep(1.0)
@@ -258,7 +247,7 @@ async def _soak(pid: int, url: str, port: int, duration: float, load: float, see
     probe = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        end = {"rss": rss_mib(pid), "fds": fds(pid), **(await gauges(probe, url))}
+        end = {"rss": rss_mib(pid), "fds": open_fds(pid), **(await gauges(probe, url))}
         if (end["slogate_requests_in_flight"] == 0 and end["slogate_open_connections"] <= 1
                 and end["fds"] <= base["fds"] + 2):
             break

@@ -34,7 +34,8 @@ log = logging.getLogger("slogate.config")
 
 # SLOGATE_* variables read by something other than the config (test and tooling knobs): not
 # warned about as unknown.
-OTHER_ENV = frozenset({"SLOGATE_MODEL_CACHE", "SLOGATE_KEEP_LLAMACPP_LOG"})
+OTHER_ENV = frozenset({"SLOGATE_MODEL_CACHE", "SLOGATE_KEEP_LLAMACPP_LOG",
+                       "SLOGATE_KEEP_PROC_LOG"})
 
 
 @dataclass(frozen=True)
@@ -356,8 +357,11 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str],
         raw["backends"] = backends
         backend_keys = [p + k.upper() for p, _, _ in prefixes
                         for k in BackendConfig.__dataclass_fields__]
+    # A backend's api_key_env may be a SLOGATE_* name: it holds a key, it overrides nothing.
+    key_vars = {b.get("api_key_env") for b in raw.get("backends") or [] if isinstance(b, dict)}
     for key in sorted(env):
-        if key.startswith("SLOGATE_") and key not in used and key not in OTHER_ENV:
+        if (key.startswith("SLOGATE_") and key not in used and key not in OTHER_ENV
+                and key not in key_vars):
             known = [f"SLOGATE_{s.upper()}_{k.upper()}" for s, ks in _ENV_SECTIONS.items()
                      for k in ks] + backend_keys
             close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)

@@ -31,6 +31,8 @@ from gateway import limits
 log = logging.getLogger("slogate")
 
 
+LINGER_S = 2.0  # how long a timed-out connection may still send before it is closed
+
 class ConnectionGuard:
     def __init__(self, max_connections: int, max_per_client: int, header_timeout_s: float,
                  metrics: Any = None) -> None:
@@ -80,7 +82,7 @@ class GuardedHandler(RequestHandler):
         self._deadline: asyncio.TimerHandle | None = None
         self._got_bytes = False  # bytes of the next request arrived (headers incomplete)
         self._busy = False  # a request is being handled
-        self._refused = False
+        self._refused = False  # answered and closing: what the client still sends is dropped
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
@@ -163,6 +165,14 @@ class GuardedHandler(RequestHandler):
         if self._got_bytes:
             self._guard.count(limits.HEADER_TIMEOUT)
             transport.write(limits.header_timeout(self._guard.header_timeout_s))
+            if isinstance(transport, asyncio.WriteTransport) and transport.can_write_eof():
+                # Lingering close (nginx's lingering_close): FIN after the 408, then drop what
+                # the client still trickles for a moment. Closing at once with its bytes unread
+                # would send a reset, and a reset can reach the client before the 408 does.
+                transport.write_eof()
+                self._refused = True
+                self._loop.call_later(LINGER_S, self.force_close)
+                return
         else:
             self._guard.count(limits.IDLE_TIMEOUT)
         self.force_close()

@@ -390,7 +390,10 @@ async def _attack(gw, sim_url: str, good: dict[str, Any]) -> None:
         assert sorted({hostile.status_of(k) for k in keys}) == [400, 401]
         assert all(KEY.encode() not in k for k in keys)
         assert {hostile.status_of(b) for b in bodies} == {408}
-        assert {hostile.status_of(x) for x in slows} == {408}
+        # Every trickler was cut off at the header deadline: a 408, unless a reset overtook it
+        # while this loaded test process was slow to read (the focused test above checks the
+        # 408 itself; the gateway's own count of header timeouts is checked below).
+        assert all(x == hostile.RESET or hostile.status_of(x) == 408 for x in slows)
         assert set(idles) == {b""}
         # Phase 2: a connection flood over max_connections (400): the excess gets 503.
         flood = await asyncio.gather(*[hostile.idle_connection(host, port) for _ in range(600)])
@@ -407,7 +410,9 @@ async def _attack(gw, sim_url: str, good: dict[str, Any]) -> None:
         async with s.get(gw.url + "/metrics") as r:
             text = await r.text()
     await until(lambda: _client_sockets(pid) == 0, 10)
-    await until(lambda: hostile.open_fds(pid) <= fds0 + 2, 20)
+    # Pooled upstream connections opened for the 20 streams expire after aiohttp's 15 s
+    # keep-alive: then every descriptor is back.
+    await until(lambda: hostile.open_fds(pid) <= fds0 + 2, 45)
     fds1, rss1 = hostile.open_fds(pid), hostile.rss_mib(pid)
     print(f"\nhostile: RSS idle {rss0:.1f} MiB, peak {peak:.1f} MiB, after {rss1:.1f} MiB; "
           f"fds idle {fds0}, after {fds1}; 503 over cap: {len(refused)}")
@@ -418,6 +423,9 @@ async def _attack(gw, sim_url: str, good: dict[str, Any]) -> None:
     for reason in ("header_timeout", "idle_timeout", "max_connections"):
         assert re.search(rf'slogate_connections_rejected_total{{reason="{reason}"}} [1-9]',
                          text), reason
+    timed_out = re.search(r'slogate_connections_rejected_total{reason="header_timeout"} (\S+)',
+                          text)
+    assert timed_out and float(timed_out.group(1)) >= len(slows)  # every trickler, at least
     log = gw.log_text()
     assert KEY not in log and UPSTREAM_KEY not in log
     assert max(len(line) for line in log.splitlines()) < 8192
