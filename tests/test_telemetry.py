@@ -351,9 +351,10 @@ async def test_gateway_ttft_matches_client_ttft_on_loopback() -> None:
     p99 = diffs[min(len(diffs) - 1, round(0.99 * (len(diffs) - 1)))]
     print(f"client - gateway TTFT: p50 {diffs[len(diffs) // 2]:.3f} ms, p99 {p99:.3f} ms")
     assert all(d > 0 for d in diffs)  # the client cannot see a token before the gateway does
-    # Generous bounds: the 2-core machines are shared; exact figures go in the notes.
-    assert diffs[len(diffs) // 2] < 2.0
-    assert p99 < 10.0
+    # Generous bounds: the 2-core machines are shared (the client's own scheduling delay is in
+    # every difference); exact figures go in the notes and the benchmarks.
+    assert diffs[len(diffs) // 2] < 5.0
+    assert p99 < 25.0
 
 
 async def test_trace_sampling_ratio_zero_exports_no_spans_but_keeps_metrics(monkeypatch) -> None:
