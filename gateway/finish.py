@@ -39,6 +39,7 @@ class Finisher:
             ctx.verdict = verdict(ctx, ctx.slo)
         if self.prometheus:
             self.metrics.observe(ctx)
+            self.metrics.tenants.observe(ctx)
         if self.tracing.enabled:
             self.tracing.finish(ctx, operation, provider)
         if self.otlp.enabled:

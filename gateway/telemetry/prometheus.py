@@ -1,7 +1,8 @@
 """Prometheus metrics (`GET /metrics`), names prefixed `slogate_`, in seconds.
 
 Labels are bounded: backend, model (configured names; anything else is `other`), route,
-slo_class, outcome / verdict / reason / phase / kind. Never a request id, key or tenant.
+slo_class, outcome / verdict / reason / phase / kind. Never a request id or a key; tenants only
+in telemetry/tenants.py's series (configured tenants + `other`).
 
 Histograms are our own small implementation so a request's inter-token gaps can be added in one
 pass at the end of the request (prometheus_client's Histogram takes a lock per observation);
@@ -21,6 +22,7 @@ from prometheus_client.samples import Exemplar
 from prometheus_client.utils import floatToGoString
 
 from gateway.exchange import Exchange
+from gateway.telemetry.tenants import TenantMetrics
 
 # TTFT / E2E reach 600 s (reasoning models think for minutes); fine enough at the low end for
 # hosted fast engines.
@@ -95,7 +97,7 @@ class Metrics:
     """Every Prometheus metric of one gateway, in its own registry."""
 
     def __init__(self, slo_thresholds_s: Iterable[float] = (), slo_classes: Iterable[str] = (),
-                 backend_names: Iterable[str] = ()) -> None:
+                 backend_names: Iterable[str] = (), tenants: Iterable[str] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, RSS, fds
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
@@ -183,6 +185,7 @@ class Metrics:
                                   "use (redis = shared across gateways, local = this gateway's "
                                   "share only, Redis unreachable).", ("state",),
                                   registry=self.registry)
+        self.tenants = TenantMetrics(self.registry, tenants)  # telemetry/tenants.py
         for cls in slo_classes:
             self.queue_depth.labels(cls).set(0)
         for name in backend_names:
