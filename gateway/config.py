@@ -162,10 +162,11 @@ class Quotas:
 @dataclass(frozen=True)
 class TenantPolicy:
     """What a tenant's key decides: the SLO classes it may use (the first is its default;
-    empty = every class, the [slo] default first), whether it may send x-slo-* and
-    x-slogate-timeout-* overrides and within which bounds, its weight under contention and
-    its quotas. Safe defaults: no overrides."""
+    none listed = only its route's class, or every class in open mode), whether it may send
+    x-slo-* and x-slogate-timeout-* overrides and within which bounds, its weight under
+    contention and its quotas. Safe defaults: no overrides, no class chosen by header."""
     classes: tuple[str, ...] = ()
+    any_class: bool = False  # open mode without `classes`: x-slo-class may pick any class
     slo_overrides: bool = False
     timeout_overrides: bool = False
     override_min_ms: float = 1.0  # bounds of x-slo-ttft-ms / x-slo-tpot-ms
@@ -174,7 +175,7 @@ class TenantPolicy:
     quotas: Quotas = field(default_factory=Quotas)
 
 
-OPEN_POLICY = TenantPolicy()
+OPEN_POLICY = TenantPolicy(any_class=True)  # open mode's defaults
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,7 @@ class AuthConfig:
     mode: str  # "keys" or "open" (open must be chosen explicitly)
     keys: Mapping[str, GatewayKey] = field(default_factory=dict)  # sha256 hex -> key
     # Open mode: the one policy every request gets (the same knobs as a key's).
-    open_policy: TenantPolicy = field(default_factory=TenantPolicy)
+    open_policy: TenantPolicy = OPEN_POLICY
     admin_keys: Mapping[str, AdminKey] = field(default_factory=dict)  # sha256 hex -> admin key
 
     def tenants(self) -> tuple[str, ...]:
@@ -721,7 +722,8 @@ def _auth(table: Any, classes: Mapping[str, SLOClass] | None = None) -> AuthConf
         if digest in keys:
             raise ConfigError(f"{where}.sha256", "<hidden>", "a key that is not also a tenant key")
         admin[digest] = AdminKey(name=name, sha256=digest)
-    open_policy = _policy("auth", table, names) if mode == "open" else TenantPolicy()
+    open_policy = (_policy("auth", table, names, any_class=True) if mode == "open"
+                   else TenantPolicy())
     return AuthConfig(mode=mode, keys=keys, open_policy=open_policy, admin_keys=admin)
 
 
@@ -735,7 +737,8 @@ def _digest(where: str, k: dict[str, Any]) -> str:
     return digest.lower()
 
 
-def _policy(where: str, k: dict[str, Any], classes: Mapping[str, SLOClass]) -> TenantPolicy:
+def _policy(where: str, k: dict[str, Any], classes: Mapping[str, SLOClass],
+            any_class: bool = False) -> TenantPolicy:
     """A tenant's SLO classes, overrides, weight and quotas (a key's, or open mode's)."""
     d = TenantPolicy()
     allowed = k.get("classes", [])
@@ -764,7 +767,7 @@ def _policy(where: str, k: dict[str, Any], classes: Mapping[str, SLOClass]) -> T
         return value
 
     return TenantPolicy(
-        classes=tuple(allowed),
+        classes=tuple(allowed), any_class=any_class and not allowed,
         slo_overrides=_typed(where, k, "slo_overrides", bool, False, "true or false"),
         timeout_overrides=_typed(where, k, "timeout_overrides", bool, False, "true or false"),
         override_min_ms=low, override_max_ms=high, weight=weight,

@@ -270,6 +270,16 @@ class Proxy:
         return [model] + [m for m in self.cfg.fallbacks.get(model, ())
                           if self.auth.allows(ex.key, m)]
 
+    def _may_send(self, ex: Exchange, served: str, replica: Replica) -> bool:
+        """May this key's request for `served` go to `replica`? The model must be on the key's
+        allow-list, and so must the name the replica's alias sends upstream when that name is
+        itself a model the gateway serves (an alias must not be a way round the list)."""
+        if not self.auth.allows(ex.key, served):
+            return False
+        upstream = replica.cfg.aliases.get(served, served)
+        return (upstream == served or self.auth.allows(ex.key, upstream)
+                or self.router.model_label(upstream) == "other")
+
     @staticmethod
     def _clients_own(e: AttemptFailed, attempt: Attempt, overrides: DeadlineOverrides) -> bool:
         """A deadline (or connect timeout) the client itself tightened ran out: that is the
@@ -291,7 +301,7 @@ class Proxy:
         chosen: tuple[Replica, str] | None = None
         served = ex.model or ""
         if (ticket is not None and ticket.replica not in tried and ticket.replica.healthy
-                and self.auth.allows(ex.key, ticket.model)
+                and self._may_send(ex, ticket.model, ticket.replica)
                 and ticket.replica.breaker.acquire()):
             served = ticket.model
             chosen = ticket.replica, ticket.replica.cfg.aliases.get(served, served)
@@ -300,8 +310,10 @@ class Proxy:
             last: GatewayError | None = None
             for exclude in (tried, ()):
                 for name in chain:
+                    forbidden = [r for r in self.router.replicas_for(name, api.family)
+                                 if not self._may_send(ex, name, r)]
                     try:
-                        chosen = self.router.pick(name, api.family, exclude)
+                        chosen = self.router.pick(name, api.family, [*exclude, *forbidden])
                         served = name
                         break
                     except GatewayError as e:

@@ -55,12 +55,16 @@ class SLOPolicy:
                    tenant: TenantPolicy = OPEN_POLICY) -> SLOTarget:
         """The class the tenant asked for (x-slo-class) among those its key may use (403
         naming them otherwise), else the route's class when the key may use it, else the
-        key's default (the first it lists); TTFT/TPOT overrides only when the key allows them,
-        within the tighter of its bounds and [slo]'s."""
-        allowed = tenant.classes or tuple(self.classes)
+        key's default (the first it lists). A key that lists no classes may use only its
+        route's class (open mode: any class). TTFT/TPOT overrides only when the key allows
+        them, within the tighter of its bounds and [slo]'s."""
         name = self.route_classes.get(route, self.default)
-        if tenant.classes and name not in allowed:
-            name = allowed[0]
+        if tenant.classes:
+            allowed = tenant.classes
+            if name not in allowed:
+                name = allowed[0]
+        else:
+            allowed = tuple(self.classes) if tenant.any_class else (name,)
         asked = headers.get(CLASS_HEADER)
         if asked is not None and self.allow_header_overrides:
             if asked not in self.classes:
