@@ -63,7 +63,7 @@ class ReplicaLoad:
 
     __slots__ = ("replica", "est", "prefill_tokens", "prefilling", "decoding", "tpot_targets",
                  "cap", "engine_waiting", "engine_running", "engine_kv_usage", "avg_tokens",
-                 "last_probe", "adaptive")
+                 "last_probe", "adaptive", "hold_s", "holds")
 
     def __init__(self, replica: Replica, est: ReplicaEstimator, cap: int,
                  adaptive: AdaptiveLimit | None = None) -> None:
@@ -77,6 +77,8 @@ class ReplicaLoad:
         self.tpot_targets: Counter[float] = Counter()
         self.cap = cap
         self.adaptive = adaptive
+        self.hold_s = 0.0  # EWMA of how long an admitted request holds its slot
+        self.holds = 0
         self.engine_waiting = 0.0  # from the engine's own /metrics, when scraped
         self.engine_running = 0.0
         self.engine_kv_usage: float | None = None
@@ -86,6 +88,12 @@ class ReplicaLoad:
     @property
     def in_flight(self) -> int:
         return self.prefilling + self.decoding
+
+    def service_rate(self) -> float | None:
+        """Requests per second this replica frees slots at (limit / mean hold), once known."""
+        if self.holds < 5 or self.hold_s <= 0:
+            return None
+        return self.limit() / self.hold_s
 
     def limit(self) -> int:
         """Requests this gateway may have here now: the adaptive limit, at most the cap."""
@@ -131,7 +139,7 @@ class Ticket:
     __slots__ = ("ctrl", "load", "tokens", "body_bytes", "tpot_target_s", "predicted_ttft_s",
                  "work_at_dispatch", "decoding_at_dispatch", "ahead_at_dispatch", "state",
                  "decoding_sum", "shared_slot", "model", "tenant", "reservation",
-                 "in_flight_at_dispatch")
+                 "in_flight_at_dispatch", "t_start")
 
     def __init__(self, ctrl: AdmissionController, load: ReplicaLoad, tokens: float,
                  body_bytes: int, tpot_target_s: float, predicted_ttft_s: float,
@@ -150,6 +158,7 @@ class Ticket:
         self.decoding_at_dispatch = load.decoding_now()
         self.ahead_at_dispatch = load.requests_ahead()
         self.in_flight_at_dispatch = load.in_flight + 1
+        self.t_start = ctrl.clock()
         self.decoding_sum: float | None = None  # streams decoding when its first token came
         self.state = "prefill"
         load.prefill_tokens += tokens
@@ -513,10 +522,12 @@ class AdmissionController:
         return out
 
     def _check_feasible(self, ctx: Exchange, loads: list[ReplicaLoad], tokens: float,
-                        why: str, ahead_tokens: float = 0.0) -> None:
+                        why: str, ahead_tokens: float = 0.0, wait_s: float = 0.0) -> None:
+        """Reject now (429 ttft_infeasible) if even the best case misses the TTFT deadline:
+        the work ahead of it prefilled first, after `wait_s` for its turn at a slot."""
         budget = ctx.slo.ttft_ms / 1e3 - (self.clock() - ctx.t_received) / 1e9
         per_replica_ahead = ahead_tokens / max(1, len(loads))
-        if self._best_case_s(loads, tokens + per_replica_ahead) > budget:
+        if self._best_case_s(loads, tokens + per_replica_ahead) + wait_s > budget:
             self._reject(ctx, SHED_TTFT_INFEASIBLE, self._retry_after_s(loads))
 
     def _retry_after_s(self, loads: list[ReplicaLoad]) -> float:
@@ -597,6 +608,7 @@ class AdmissionController:
         capacity is its; a tenant at its in-flight quota waits without holding anyone."""
         try:
             ahead: dict[str, float] = {}
+            waiting: dict[str, int] = {}  # waiters left waiting ahead, per model
             blocked: set[str] = set()  # models whose turn-holder is waiting
             for waiter in list(self.fair.order()):
                 if waiter.future.done() or not waiter.in_queue:
@@ -624,14 +636,26 @@ class AdmissionController:
                     else:
                         waiter.future.set_result(ticket)
                     continue
+                # Its turn at a slot comes after those left waiting ahead of it, at the rate
+                # slots free: a waiter that cannot make its deadline is told now (with
+                # Retry-After), not when the deadline has passed. Under overload that sheds the
+                # back of each flow, and the flows over their share have the longest backs.
+                wait_s = 0.0
+                if why in ("concurrency_cap", "fair_wait", "priority_wait"):
+                    rates = [r for load in loads if load.replica.available()
+                             and (r := load.service_rate()) is not None]
+                    if rates:
+                        wait_s = (waiting.get(model, 0) + 1) / sum(rates)
                 try:
-                    self._check_feasible(ctx, loads, waiter.tokens, why, ahead.get(model, 0.0))
+                    self._check_feasible(ctx, loads, waiter.tokens, why, ahead.get(model, 0.0),
+                                         wait_s)
                 except GatewayError as e:
                     if not waiter.future.done():
                         waiter.future.set_exception(e)
                     self._take_out(waiter)
                     continue
                 ahead[model] = ahead.get(model, 0.0) + waiter.tokens
+                waiting[model] = waiting.get(model, 0) + 1
                 blocked.add(model)
         finally:
             self._waking = False
@@ -641,6 +665,10 @@ class AdmissionController:
     def learn(self, ticket: Ticket, ctx: Exchange, decoding_end: float) -> None:
         if ctx.outcome != OK or not ctx.t_sent:
             return
+        load = ticket.load
+        hold = (self.clock() - ticket.t_start) / 1e9
+        load.hold_s = hold if not load.holds else load.hold_s + 0.1 * (hold - load.hold_s)
+        load.holds += 1
         est = ticket.load.est
         if ctx.prompt_tokens:
             est.observe_prompt(ticket.body_bytes, ctx.prompt_tokens)

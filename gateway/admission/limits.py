@@ -10,12 +10,15 @@ order of magnitude. That jump is the signal, as in Envoy's adaptive_concurrency 
 
 - each finished request gives one sample: its upstream TTFT less its own prefill estimate (so
   long prompts are not mistaken for queueing);
-- the baseline is the median of the last `window` samples; a sample is *slow* when it exceeds
-  `tolerance` x baseline and baseline + `floor_s` (jitter on a fast engine is not queueing);
-- additive increase: +1 / limit per sample that is not slow, only while the limit binds (at
-  least 80 % of it in use: an idle replica teaches nothing about its capacity);
-- multiplicative decrease: x `backoff` on a slow sample, at most once per `limit` samples (one
-  round trip's worth), never below `min_limit`;
+- the baseline is the 10th percentile of the last WINDOW samples (the unqueued ones: it does
+  not drift up while a surplus queues); a sample is *slow* when it exceeds both `tolerance` x
+  the median and baseline + `floor_s` (prefill interleaving and jitter are not queueing; a
+  request parked behind a full batch waits for a running one to finish: seconds);
+- samples are judged in rounds of `limit` samples (one round trip's worth). Multiplicative
+  decrease: x BACKOFF after a round where more than SLOW_SHARE of the samples were slow (a
+  surplus parked in the engine; a rare outlier is not one), never below `min_limit`. Additive
+  increase: +1 / limit per sample that is not slow, only while the limit binds (at least 80 %
+  of it in use: an idle replica teaches nothing about its capacity);
 - `max_limit` (`[admission] max_concurrency`, or the backend's own) is the upper bound; an
   engine that publishes its batch size (`max_num_seqs`) through scraped metrics caps it too.
 
@@ -26,14 +29,16 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-WINDOW = 64
-FLOOR_S = 0.05
+WINDOW = 256
+FLOOR_S = 0.25
 BACKOFF = 0.85
+SLOW_SHARE = 0.1
 
 
 class AdaptiveLimit:
-    __slots__ = ("limit", "min_limit", "max_limit", "tolerance", "samples", "since_cut",
-                 "cuts", "engine_cap", "floor_s")
+    __slots__ = ("limit", "min_limit", "max_limit", "tolerance", "samples", "round_n",
+                 "round_slow", "cuts", "engine_cap", "floor_s", "_base", "_median",
+                 "_base_age")
 
     def __init__(self, initial: int, min_limit: int, max_limit: int, tolerance: float = 2.0,
                  floor_s: float = FLOOR_S) -> None:
@@ -43,8 +48,12 @@ class AdaptiveLimit:
         self.tolerance = tolerance
         self.floor_s = floor_s
         self.samples: deque[float] = deque(maxlen=WINDOW)
-        self.since_cut = 0
+        self.round_n = 0
+        self.round_slow = 0
         self.cuts = 0
+        self._base: float | None = None
+        self._median = 0.0
+        self._base_age = 0
         self.engine_cap: float | None = None
 
     @property
@@ -55,26 +64,34 @@ class AdaptiveLimit:
         return max(self.min_limit, int(min(self.limit, cap)))
 
     def baseline(self) -> float | None:
+        """The 10th percentile of recent samples (recomputed every 16 samples)."""
         if len(self.samples) < 8:
             return None
-        ordered = sorted(self.samples)
-        return ordered[len(ordered) // 2]
+        if self._base is None or self._base_age >= 16:
+            ordered = sorted(self.samples)
+            self._base = ordered[len(ordered) // 10]
+            self._median = ordered[len(ordered) // 2]
+            self._base_age = 0
+        return self._base
 
     def sample(self, queueing_s: float, in_flight: int) -> None:
         """One finished request's upstream TTFT beyond its own prefill, with `in_flight`
         requests on the replica when it was sent."""
         base = self.baseline()
         self.samples.append(max(0.0, queueing_s))
-        self.since_cut += 1
-        slow = base is not None and queueing_s > max(self.tolerance * base,
+        self._base_age += 1
+        slow = base is not None and queueing_s > max(self.tolerance * self._median,
                                                      base + self.floor_s)
+        self.round_n += 1
         if slow:
-            if self.since_cut >= self.limit:
-                self.limit = max(float(self.min_limit), self.limit * BACKOFF)
-                self.since_cut = 0
-                self.cuts += 1
+            self.round_slow += 1
         elif in_flight >= 0.8 * self.value:
             self.limit = min(float(self.max_limit), self.limit + 1.0 / max(1.0, self.limit))
+        if self.round_n >= max(4.0, self.limit):
+            if self.round_slow > SLOW_SHARE * self.round_n:
+                self.limit = max(float(self.min_limit), self.limit * BACKOFF)
+                self.cuts += 1
+            self.round_n = self.round_slow = 0
 
     def engine_reports(self, max_running: float | None) -> None:
         """The engine's own batch size, when its metrics publish one."""
