@@ -83,13 +83,20 @@ def test_the_flow_over_its_share_is_shed() -> None:
 
 def test_adaptive_limit_grows_while_fast_and_backs_off_on_engine_queueing() -> None:
     lim = AdaptiveLimit(initial=4, min_limit=2, max_limit=256)
-    for _ in range(400):  # fast, and the limit is in use: grows
+    for _ in range(300):  # fast but hardly used: a history, and no growth
+        lim.sample(0.02, in_flight=1)
+    assert lim.value == 4
+    for _ in range(20):  # fast, and the limit is in use: grows (slow start: +1 per sample)
         lim.sample(0.02, in_flight=lim.value)
     grown = lim.value
-    assert grown > 20
-    for _ in range(200):  # the engine queues: TTFT jumps by seconds
+    assert grown == 24
+    for _ in range(100):  # the engine queues: TTFT jumps by seconds
         lim.sample(2.0, in_flight=lim.value)
     assert lim.value < grown / 2 and lim.cuts > 0
+    before = lim.value
+    for _ in range(8 * before):  # after a decrease: about +1 every two rounds
+        lim.sample(0.02, in_flight=lim.value)
+    assert before + 2 <= lim.value <= before + 5
     idle = AdaptiveLimit(initial=8, min_limit=2, max_limit=256)
     for _ in range(400):  # fast but hardly used: no evidence the engine takes more
         idle.sample(0.02, in_flight=1)

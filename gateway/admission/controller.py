@@ -179,6 +179,11 @@ class Ticket:
         load.tpot_targets[self.tpot_target_s] += 1
         self.decoding_sum = load.decoding_now()
         self.state = "decode"
+        if load.adaptive is not None:  # the limit learns from the TTFT now, not at the end
+            est = load.est
+            ttft = (self.ctrl.clock() - self.t_start) / 1e9
+            own = est.ttft.theta[0] + est.ttft.theta[1] * self.tokens / 1000.0
+            load.adaptive.sample(ttft - est.provider_queue_s - own, self.in_flight_at_dispatch)
         self.ctrl.wake()
 
     def move(self, replica: Replica) -> None:
@@ -189,6 +194,8 @@ class Ticket:
             self.ctrl.shared.move(self.load.replica.name, replica.name)
         self._release()
         self.load = self.ctrl.load_of(replica)
+        self.t_start = self.ctrl.clock()
+        self.in_flight_at_dispatch = self.load.in_flight + 1
         self.state = "prefill"
         self.load.prefill_tokens += self.tokens
         self.load.prefilling += 1
@@ -509,16 +516,19 @@ class AdmissionController:
         pred, load = random.choice(near)
         return load, pred
 
-    def _best_case_s(self, loads: list[ReplicaLoad], tokens: float) -> float:
+    def _best_case_s(self, loads: list[ReplicaLoad], tokens: float,
+                     safety: float | None = None) -> float:
         """TTFT on the least loaded replica if the work queued ahead of it in the gateway went
-        first, plus the stated error: if even that misses, waiting cannot help."""
+        first, plus `safety` (default: the configured one) x the stated error: if even that
+        misses, waiting cannot help."""
+        k = self.cfg.safety if safety is None else safety
         out = math.inf
         for load in loads:
             if not load.replica.available():
                 continue
             est = load.est
             out = min(out, est.predict_ttft(self._ahead(load) + tokens, 0.0)
-                      + self.cfg.safety * est.ttft.stderr)
+                      + k * est.ttft.stderr)
         return out
 
     def _check_feasible(self, ctx: Exchange, loads: list[ReplicaLoad], tokens: float,
@@ -527,7 +537,11 @@ class AdmissionController:
         the work ahead of it prefilled first, after `wait_s` for its turn at a slot."""
         budget = ctx.slo.ttft_ms / 1e3 - (self.clock() - ctx.t_received) / 1e9
         per_replica_ahead = ahead_tokens / max(1, len(loads))
-        if self._best_case_s(loads, tokens + per_replica_ahead) + wait_s > budget:
+        # The stated error pads the best case; the wait for a turn is added to the point
+        # prediction only (padding both would shed requests that would have made it).
+        if (self._best_case_s(loads, tokens + per_replica_ahead) > budget
+                or (wait_s and self._best_case_s(loads, tokens + per_replica_ahead, 0.0)
+                    + wait_s > budget)):
             self._reject(ctx, SHED_TTFT_INFEASIBLE, self._retry_after_s(loads))
 
     def _retry_after_s(self, loads: list[ReplicaLoad]) -> float:
@@ -679,12 +693,8 @@ class AdmissionController:
             actual = (ctx.t_first_token - ctx.t_sent) / 1e9
             tokens = ctx.prompt_tokens or ticket.tokens
             work = ticket.work_at_dispatch - ticket.tokens + tokens
-            own_prefill = est.ttft.theta[0] + est.ttft.theta[1] * tokens / 1000.0
             est.observe_ttft(work, ticket.decoding_at_dispatch, ticket.ahead_at_dispatch,
                              actual - est.provider_queue_s)
-            if ticket.load.adaptive is not None:
-                ticket.load.adaptive.sample(actual - est.provider_queue_s - own_prefill,
-                                            ticket.in_flight_at_dispatch)
             self.metrics.ttft_error.observe((ticket.replica.name, ctx.model_label),
                                             abs(actual - ticket.predicted_ttft_s))
             tpot = ctx.tpot_s()

@@ -8,17 +8,22 @@ its batch parks the surplus in its own FIFO, where a request waits for a running
 order of magnitude. That jump is the signal, as in Envoy's adaptive_concurrency filter
 (gradient = minRTT / sampleRTT) and Netflix concurrency-limits (Gradient2, AIMD):
 
-- each finished request gives one sample: its upstream TTFT less its own prefill estimate (so
-  long prompts are not mistaken for queueing);
+- each request gives one sample at its first token: its TTFT since dispatch less its own
+  prefill estimate (so long prompts are not mistaken for queueing); at the first token, not at
+  the end, so the limit hears about engine queueing one TTFT later, not one whole answer later;
 - the baseline is the 10th percentile of the last WINDOW samples (the unqueued ones: it does
   not drift up while a surplus queues); a sample is *slow* when it exceeds both `tolerance` x
   the median and baseline + `floor_s` (prefill interleaving and jitter are not queueing; a
   request parked behind a full batch waits for a running one to finish: seconds);
+- a slow sample sent with N requests on the replica brings the limit down to N - 1 at once
+  (the engine queued it: its batch is below N);
 - samples are judged in rounds of `limit` samples (one round trip's worth). Multiplicative
   decrease: x BACKOFF after a round where more than SLOW_SHARE of the samples were slow (a
-  surplus parked in the engine; a rare outlier is not one), never below `min_limit`. Additive
-  increase: +1 / limit per sample that is not slow, only while the limit binds (at least 80 %
-  of it in use: an idle replica teaches nothing about its capacity);
+  surplus parked in the engine; a rare outlier is not one), never below `min_limit`. Increase,
+  only while the limit binds (at least 80 % of it in use: an idle replica teaches nothing about
+  its capacity) and while the round has seen no slow sample: +1 per sample until the first
+  decrease (slow start, as TCP), then +1 every two rounds (probing slowly above a limit that
+  has once been too high keeps the engine's queue short);
 - `max_limit` (`[admission] max_concurrency`, or the backend's own) is the upper bound; an
   engine that publishes its batch size (`max_num_seqs`) through scraped metrics caps it too.
 
@@ -85,8 +90,15 @@ class AdaptiveLimit:
         self.round_n += 1
         if slow:
             self.round_slow += 1
-        elif in_flight >= 0.8 * self.value:
-            self.limit = min(float(self.max_limit), self.limit + 1.0 / max(1.0, self.limit))
+            # It was sent with `in_flight` on the replica and still queued in the engine: the
+            # engine's batch is below that. Come down to it now (and end slow start), rather
+            # than a round of samples later.
+            if in_flight > self.min_limit and in_flight - 1 < self.limit:
+                self.limit = float(in_flight - 1)
+                self.cuts = max(self.cuts, 1)
+        elif in_flight >= 0.8 * self.value and not self.round_slow:
+            step = 1.0 if not self.cuts else 0.5 / max(1.0, self.limit)
+            self.limit = min(float(self.max_limit), self.limit + step)
         if self.round_n >= max(4.0, self.limit):
             if self.round_slow > SLOW_SHARE * self.round_n:
                 self.limit = max(float(self.min_limit), self.limit * BACKOFF)
