@@ -434,8 +434,14 @@ async def test_openai_sdk_retries_a_short_rate_limit_and_gets_through() -> None:
                     admission={"enabled": True}, server={"access_log": False})
         async with serve_app(build_app(cfg)) as base:
             client = AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
-            for _ in range(60):
-                await client.chat.completions.create(model="m", messages=MSG, max_tokens=1)
+            for _ in range(200):  # spend the bucket (it refills one a second meanwhile)
+                try:
+                    await client.chat.completions.create(model="m", messages=MSG, max_tokens=1)
+                except openai.RateLimitError as e:
+                    assert e.response.headers["retry-after"] == "1"
+                    break
+            else:
+                raise AssertionError("never rate-limited")
             await client.close()
             client = AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=2)
             raw = await client.chat.completions.with_raw_response.create(
