@@ -501,7 +501,7 @@ class AdmissionController:
         return bool(left_s < URGENT * slo.ttft_ms / 1e3)
 
     def _higher_priority_waiting(self, priority: int) -> bool:
-        return any(w.priority > priority and not w.future.done() for w in self.fair.order())
+        return self.fair.waiting_above(priority)
 
     def _choose(self, ok: list[tuple[float, ReplicaLoad]],
                 prefix: bytes | None) -> tuple[ReplicaLoad, float]:

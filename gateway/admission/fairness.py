@@ -111,6 +111,10 @@ class FairQueue:
         self.recent.append(cls)
         self.counts[cls] += 1
 
+    def waiting_above(self, priority: int) -> bool:
+        """Does a flow of a higher priority band have requests waiting?"""
+        return any(f.waiting and f.priority > priority for f in self.flows.values())
+
     def share(self, cls: str) -> float:
         return self.counts[cls] / len(self.recent) if self.recent else 0.0
 
