@@ -426,19 +426,19 @@ async def test_requests_per_minute_quota_answers_like_openai_and_anthropic() -> 
 
 
 async def test_openai_sdk_retries_a_short_rate_limit_and_gets_through() -> None:
-    """60 requests per minute: one a second. The SDK waits the Retry-After it is given and its
-    retry is admitted."""
+    """12 requests per minute: one every 5 s once the burst is spent. The SDK waits the
+    Retry-After it is given and its retry is admitted."""
     async with serve_app(build_sim(SimConfig(**FAST))) as sim:
         cfg = keyed([("a", sim, ["m"])],
-                    [{"key": "k", "tenant": "t", "requests_per_minute": 60}],
+                    [{"key": "k", "tenant": "t", "requests_per_minute": 12}],
                     admission={"enabled": True}, server={"access_log": False})
         async with serve_app(build_app(cfg)) as base:
             client = AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
-            for _ in range(200):  # spend the bucket (it refills one a second meanwhile)
+            for _ in range(30):  # spend the burst
                 try:
                     await client.chat.completions.create(model="m", messages=MSG, max_tokens=1)
                 except openai.RateLimitError as e:
-                    assert e.response.headers["retry-after"] == "1"
+                    assert 1 <= int(e.response.headers["retry-after"]) <= 5
                     break
             else:
                 raise AssertionError("never rate-limited")
