@@ -248,7 +248,8 @@ async def _client_run(spec: dict[str, Any]) -> dict[str, Any]:
         body = orjson.dumps({"model": "sim", "stream": True, "max_tokens": n_out,
                              "messages": [{"role": "user",
                                            "content": prompt_text(req["i"], req["prompt"])}]})
-        headers = {"Content-Type": "application/json", "Authorization": "Bearer bench",
+        key = spec.get("keys", {}).get(req["cls"], "bench")
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}",
                    "x-sim-output-tokens": str(n_out), "x-slo-class": req["cls"]}
         t_send = clock()
         rec["t_send"] = t_send - t0
@@ -895,12 +896,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nice", type=int, default=0)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--keep-logs", action="store_true")
+    ap.add_argument("--fairness", action="store_true",
+                    help="the fairness runs instead (issue 11): equal classes, priority with "
+                         "min_share, a tenant at 10x its quota; admission with its defaults")
     ap.add_argument("--client-spec", help=argparse.SUPPRESS)
     ap.add_argument("--client-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.client_spec:
         return client_main(args.client_spec, args.client_out)
     harness.NICE = args.nice
+    if args.fairness:
+        return fairness_main(args)
 
     q = args.quick
     loads = [float(x) for x in (args.loads or ("1,2" if q else "0.5,1,1.5,2,3")).split(",")]
@@ -1092,6 +1098,236 @@ def main(argv: list[str] | None = None) -> int:
           + (f", {args.plot}" if note is None else f" ({note})")
           + f"; {results['meta']['elapsed_s']:.0f} s")
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Fairness runs (issue 11): admission on, max_concurrency left at its default (256), so the
+# adaptive concurrency limit must find the engine's batch by itself.
+# ---------------------------------------------------------------------------------------------
+
+FAIR_SCENARIOS: dict[str, dict[str, Any]] = {
+    # name: classes {name: (TTFT ms, TPOT ms, priority, share of traffic)}, extra class TOML,
+    # tenants {class: (key, weight, quota TOML)}, load (x capacity), runs
+    "equal": {
+        "title": "two classes, equal priority and weight, 2x capacity",
+        "classes": {"interactive": (1000.0, 50.0, 0, 0.5), "batch": (30000.0, 200.0, 0, 0.5)},
+        "load": 2.0},
+    "priority": {
+        "title": "priority 10 vs 0, min_share 0.2, 2x capacity",
+        "classes": {"interactive": (1000.0, 50.0, 10, 0.7), "batch": (30000.0, 200.0, 0, 0.3)},
+        "min_share": {"interactive": 0.05, "batch": 0.2},
+        "load": 2.0},
+    "quota": {
+        "title": "tenant A at 10x its quota beside tenant B",
+        # A's quota is 0.25 x capacity in requests per minute; it offers 2.5 x capacity.
+        # B offers 0.5 x capacity; measured alone first, then beside A.
+        "classes": {"a": (1000.0, 50.0, 0, 2.5 / 3.0), "b": (1000.0, 50.0, 0, 0.5 / 3.0)},
+        "alone": {"b": (1000.0, 50.0, 0, 1.0)},
+        "quota_a_x_capacity": 0.25,
+        "load": 3.0, "alone_load": 0.5},
+}
+
+
+def fairness_toml(host: str, port: int, sim_port: int, classes: dict[str, tuple],
+                  min_share: dict[str, float], quota_a_rpm: int | None) -> str:
+    out = (f'[server]\nhost = "{host}"\nport = {port}\naccess_log = false\n\n'
+           '[admission]\nenabled = true\n\n')
+    out += f'[slo]\ndefault = "{next(iter(classes))}"\n'
+    for name, (ttft, tpot, prio, _) in classes.items():
+        out += (f'\n[[slo_classes]]\nname = "{name}"\nttft_ms = {ttft:g}\ntpot_ms = {tpot:g}\n'
+                f"priority = {prio}\n")
+        if name in min_share:
+            out += f"min_share = {min_share[name]:g}\n"
+    names = ", ".join(f'"{n}"' for n in classes)
+    out += '\n[auth]\nmode = "keys"\n'
+    import hashlib
+    admin = hashlib.sha256(b"bench-admin").hexdigest()
+    out += f'\n[[auth.admin_keys]]\nname = "bench"\nsha256 = "{admin}"\n'
+    if quota_a_rpm is None:
+        digest = hashlib.sha256(b"bench").hexdigest()
+        out += (f'\n[[auth.keys]]\ntenant = "bench"\nsha256 = "{digest}"\n'
+                f"classes = [{names}]\n")
+    else:
+        for name in ("a", "b"):
+            digest = hashlib.sha256(f"key-{name}".encode()).hexdigest()
+            out += (f'\n[[auth.keys]]\ntenant = "tenant-{name}"\nsha256 = "{digest}"\n'
+                    f'classes = ["{name}"]\n')
+            if name == "a":
+                out += f"requests_per_minute = {quota_a_rpm}\n"
+    out += (f'\n[[backends]]\nname = "sim"\ntype = "openai"\n'
+            f'base_url = "http://{host}:{sim_port}/v1"\nmodels = ["*"]\n')
+    return out
+
+
+def fairness_main(args: argparse.Namespace) -> int:
+    """Capacity (closed loop straight to the sim), then each scenario against a fresh gateway
+    with admission's default config. Prints a markdown table; writes JSON."""
+    window = args.window or (8.0 if args.quick else 15.0)
+    warmup = args.warmup if args.warmup is not None else (3.0 if args.quick else 5.0)
+    cap_window = args.capacity_window or (4.0 if args.quick else 10.0)
+    allowed = sorted(os.sched_getaffinity(0))
+    two = len(allowed) >= 2
+    gw_cpus = parse_cpus(args.gateway_cpu, allowed, allowed[1] if two else None)
+    sim_cpus = parse_cpus(args.sim_cpu, allowed, allowed[0] if two else None)
+    client_cpus = parse_cpus(args.client_cpu, allowed, None) if args.client_cpu else sim_cpus
+    tmp = Path(tempfile.mkdtemp(prefix="slogate-fairness-"))
+    procs = BenchProcs(tmp)
+    host = args.host
+    sim_knobs = {"max_batch": args.max_batch, "decode_base_ms": args.decode_base_ms,
+                 "decode_per_seq_ms": args.decode_per_seq_ms,
+                 "prefill_tokens_per_s": args.prefill_tokens_per_s,
+                 "prefill_chunk_tokens": args.prefill_chunk_tokens}
+    sim_port = free_port(host)
+    subst = {"python": shlex.quote(sys.executable), "host": host,
+             **{k: f"{v:g}" if isinstance(v, float) else str(v) for k, v in sim_knobs.items()}}
+    sim_argv = shlex.split(args.sim_cmd.format(**subst, port=sim_port))
+    sim_base = f"http://{host}:{sim_port}"
+    results: dict[str, Any] = {"meta": {
+        "benchmark": "fairness", "git": git_rev(), "window_s": window, "warmup_s": warmup,
+        "sim": sim_knobs, "seed": args.seed,
+        "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "host": {"cpus": os.cpu_count(), "cpu_model": cpu_model(),
+                 "loadavg_start": " ".join(Path("/proc/loadavg").read_text().split()[:3])}},
+        "runs": {}}
+    ok = False
+    try:
+        procs.start("sim", sim_argv, sim_cpus)
+        wait_http(procs, "sim", f"{sim_base}/v1/models")
+        if args.capacity:
+            capacity = args.capacity
+        else:
+            spec = {"mode": "closed", "url": f"{sim_base}/v1/chat/completions",
+                    "slo": {n: (v[0], v[1]) for n, v in CLASSES.items()}, "classes": CLASSES,
+                    "workers": args.max_batch, "warmup": 1.0, "count_from": 1.0,
+                    "count_to": 1.0 + cap_window, "window": cap_window, "seed": args.seed,
+                    "no_probes": True}
+            r = run_client(procs, tmp, "capacity", spec, client_cpus)
+            capacity = r["work_in_window"] / r["window_s"]
+            wait_quiet(f"{sim_base}/sim/stats", None)
+        results["capacity_rps"] = capacity
+        print(f"capacity {capacity:.2f} req/s (closed loop, batch {args.max_batch})", flush=True)
+        runs: list[tuple[str, str, dict[str, tuple], float]] = []
+        only = set(os.environ.get("BENCH_FAIR_SCENARIOS", ",".join(FAIR_SCENARIOS)).split(","))
+        for name, sc in FAIR_SCENARIOS.items():
+            if name not in only:
+                continue
+            if name == "quota":
+                runs.append((name, "b alone", sc["alone"], sc["alone_load"]))
+            runs.append((name, "", sc["classes"], sc["load"]))
+        for k, (name, variant, classes, load) in enumerate(runs):
+            sc = FAIR_SCENARIOS[name]
+            port = free_port(host)
+            quota = (max(1, round(sc["quota_a_x_capacity"] * capacity * 60))
+                     if name == "quota" else None)
+            cfg = tmp / f"gateway-{name}-{k}.toml"
+            cfg.write_text(fairness_toml(host, port, sim_port, sc["classes"],
+                                         sc.get("min_share", {}), quota))
+            tag = f"gw-{name}-{k}"
+            procs.WATCHED = (*BenchProcs.WATCHED, tag)
+            p = procs.start(tag, shlex.split(args.gateway_cmd.format(
+                **subst, config=str(cfg), port=port)), gw_cpus)
+            url = f"http://{host}:{port}"
+            wait_http(procs, tag, f"{url}/healthz")
+            keys = {"a": "key-a", "b": "key-b"} if name == "quota" else {}
+            slo = {n: (v[0], v[1]) for n, v in classes.items()}
+            # A's bucket holds a minute of its quota (OpenAI's and Anthropic's semantics: a
+            # full minute may come as a burst): the warm-up spends that burst first.
+            warm = max(warmup, 30.0 if args.quick else 45.0) if name == "quota" else warmup
+            spec = {"mode": "open", "url": f"{url}/v1/chat/completions", "warmup": warm,
+                    "window": window, "tail_cap": 0.0, "keys": keys,
+                    "schedule": make_schedule(load * capacity, [warm, window, 0.0],
+                                              args.seed + k, 0.0, classes),
+                    "sim_stats_url": f"{sim_base}/sim/stats"}
+            label = f"{name}{' (' + variant + ')' if variant else ''}"
+            print(f"{label}: {load:g}x capacity …", end=" ", flush=True)
+            r = run_client(procs, tmp, f"fair-{name}-{k}", spec, client_cpus)
+            summary = summarize(r, warm, window, slo)
+            with contextlib.suppress(Exception):
+                req = urllib.request.Request(f"{url}/admin/admission",
+                                             headers={"Authorization": "Bearer bench-admin"})
+                with urllib.request.urlopen(req, timeout=5) as resp:
+                    summary["admission_end"] = json.loads(resp.read())
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(timeout=40)
+            wait_quiet(f"{sim_base}/sim/stats", None)
+            results["runs"][label] = {"load": load, "summary": summary, "quota_a_rpm": quota}
+            print(", ".join(f"{c} goodput {summary['classes'][c]['goodput_rps']:.2f} req/s"
+                            for c in classes), flush=True)
+        ok = True
+    except RuntimeError as e:
+        print(f"\nbenchmark failed: {e}", file=sys.stderr)
+        return 1
+    finally:
+        procs.stop_all()
+        if ok and not args.keep_logs:
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif not ok:
+            print(f"process logs kept in {tmp}", file=sys.stderr)
+    table = render_fairness(results)
+    print()
+    print(table)
+    out = Path(args.out.replace("goodput.json", "fairness.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    md = Path(args.markdown.replace("goodput.md", "fairness.md"))
+    md.write_text(table + "\n")
+    print(f"\nresults: {out}, {md}")
+    return 0
+
+
+def render_fairness(results: dict[str, Any]) -> str:
+    cap = results["capacity_rps"]
+    runs = results["runs"]
+    rows = ["| run | class / tenant | goodput req/s | share of capacity | TTFT p99 ms (admitted) "
+            "| rejected | criterion | met? |", "|---|---|---|---|---|---|---|---|"]
+
+    def g(label: str, cls: str) -> dict[str, Any]:
+        return dict(runs[label]["summary"]["classes"][cls])
+
+    eq = "equal"
+    if eq in runs:
+        tot = runs[eq]["summary"]["goodput_rps"]
+        for cls in ("interactive", "batch"):
+            c = g(eq, cls)
+            share = c["goodput_rps"] / cap
+            rows.append(f"| equal, 2x | {cls} | {c['goodput_rps']:.2f} | {share:.0%} | "
+                        f"{fmt(c['ttft_ms']['p99'])} | {pct(c['rejection_rate'])} | >= 40 % "
+                        f"| {'yes' if share >= 0.4 else 'no'} |")
+        rows.append(f"| equal, 2x | total | {tot:.2f} | {tot / cap:.0%} | | | >= 90 % of peak "
+                    f"| {'yes' if tot / cap >= 0.9 else 'no'} |")
+    pr = "priority"
+    if pr in runs:
+        hi, lo = g(pr, "interactive"), g(pr, "batch")
+        lo_share = lo["goodput_rps"] / cap
+        p99 = hi["ttft_ms"]["p99"]
+        rows.append(f"| priority 10/0, min_share 0.2, 2x | batch (low) | {lo['goodput_rps']:.2f} "
+                    f"| {lo_share:.0%} | {fmt(lo['ttft_ms']['p99'])} | "
+                    f"{pct(lo['rejection_rate'])} | >= 15 % | "
+                    f"{'yes' if lo_share >= 0.15 else 'no'} |")
+        rows.append(f"| priority 10/0, min_share 0.2, 2x | interactive (high) | "
+                    f"{hi['goodput_rps']:.2f} | {hi['goodput_rps'] / cap:.0%} | {fmt(p99)} | "
+                    f"{pct(hi['rejection_rate'])} | P99 TTFT <= 1000 ms | "
+                    f"{'yes' if p99 is not None and p99 <= 1000 else 'no'} |")
+    alone, both = "quota (b alone)", "quota"
+    if alone in runs and both in runs:
+        b0 = g(alone, "b")["goodput_rps"]
+        b1, a1 = g(both, "b"), g(both, "a")
+        ratio = b1["goodput_rps"] / b0 if b0 else 0.0
+        rows.append(f"| quota: B alone, 0.5x | tenant B | {b0:.2f} | {b0 / cap:.0%} | "
+                    f"{fmt(g(alone, 'b')['ttft_ms']['p99'])} | "
+                    f"{pct(g(alone, 'b')['rejection_rate'])} | | |")
+        rows.append(f"| quota: A at 10x its quota | tenant A | {a1['goodput_rps']:.2f} | "
+                    f"{a1['goodput_rps'] / cap:.0%} | {fmt(a1['ttft_ms']['p99'])} | "
+                    f"{pct(a1['rejection_rate'])} | | |")
+        rows.append(f"| quota: A at 10x its quota | tenant B | {b1['goodput_rps']:.2f} | "
+                    f"{b1['goodput_rps'] / cap:.0%} | {fmt(b1['ttft_ms']['p99'])} | "
+                    f"{pct(b1['rejection_rate'])} | >= 90 % of alone ({ratio:.0%}) | "
+                    f"{'yes' if ratio >= 0.9 else 'no'} |")
+    m = results["meta"]
+    head = (f"Fairness (admission defaults: max_concurrency 256, adaptive limit), capacity "
+            f"{cap:.2f} req/s (sim batch {m['sim']['max_batch']}), warm-up {m['warmup_s']:g} s "
+            f"+ window {m['window_s']:g} s, host load at start {m['host']['loadavg_start']}")
+    return head + "\n\n" + "\n".join(rows)
 
 
 if __name__ == "__main__":

@@ -7,18 +7,52 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 
-from gateway.config import AuthConfig, GatewayKey
+from gateway.config import AdminKey, AuthConfig, GatewayKey, TenantPolicy
 from gateway.errors import GatewayError
 
-__all__ = ["AuthPolicy", "GatewayKey", "client_key", "hash_key"]
+__all__ = ["OTHER", "AuthPolicy", "GatewayKey", "client_key", "hash_key"]
+
+OTHER = "other"  # the tenant label of anything that is not a configured tenant (open mode)
 
 
 class AuthPolicy:
-    """Who may use the gateway, built from [auth] at start-up."""
+    """Who may use the gateway and what each tenant's key decides (its SLO classes,
+    overrides, weight, quotas), built from [auth] at start-up. Admin keys open /admin/*."""
 
     def __init__(self, cfg: AuthConfig) -> None:
         self.mode = cfg.mode
         self.keys = cfg.keys
+        self.admin_keys = cfg.admin_keys
+        self.open_policy = cfg.open_policy
+        self.tenants = cfg.tenants()
+
+    def policy(self, key: GatewayKey | None) -> TenantPolicy:
+        """The tenant policy a request runs under (open mode: [auth]'s own)."""
+        return key.policy if key is not None else self.open_policy
+
+    @staticmethod
+    def tenant_label(key: GatewayKey | None) -> str:
+        """The bounded metric label: the configured tenant, or `other`."""
+        return key.tenant if key is not None else OTHER
+
+    def authenticate_admin(self, headers: Mapping[str, str]) -> AdminKey | None:
+        """An admin key for /admin/*. With none configured: open in open mode (None), closed
+        in keys mode (a tenant's key is never an admin key)."""
+        if not self.admin_keys:
+            if self.mode == "open":
+                return None
+            raise GatewayError(403, "The admin API is closed: configure [[auth.admin_keys]].",
+                               "admin_not_configured", outcome="rejected")
+        presented = client_key(headers)
+        if not presented:
+            raise GatewayError(401, "Missing admin key: send 'Authorization: Bearer <key>'.",
+                               "missing_api_key", outcome="rejected")
+        admin = self.admin_keys.get(hash_key(presented))
+        if admin is None:
+            raise GatewayError(403 if hash_key(presented) in self.keys else 401,
+                               "This key may not use the admin API.", "admin_key_required",
+                               outcome="rejected")
+        return admin
 
     def authenticate(self, headers: Mapping[str, str]) -> GatewayKey | None:
         """The caller's key, or None in open mode; GatewayError 401 when missing or wrong."""

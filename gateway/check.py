@@ -48,6 +48,38 @@ def plain(obj: Any, key: str = "") -> Any:
     return obj
 
 
+def _flat_policy(policy: dict[str, Any]) -> dict[str, Any]:
+    """A tenant policy as the keys one writes in [[auth.keys]] / [auth]: the ones that differ
+    from the defaults (quotas flattened)."""
+    from gateway.config import TenantPolicy
+
+    default = plain(TenantPolicy())
+    out: dict[str, Any] = {}
+    for name, value in policy.items():
+        if name == "any_class":
+            continue
+        if name == "quotas":
+            out.update({k: v for k, v in value.items() if v != default["quotas"][k]})
+        elif value != default[name]:
+            out[name] = value
+    return out
+
+
+def _flat_auth(auth: dict[str, Any]) -> dict[str, Any]:
+    """[auth] as written: each key's policy flattened into it; open mode's in [auth] itself."""
+    auth = dict(auth)
+    auth["keys"] = [{**{k: v for k, v in key.items() if k != "policy"},
+                     **_flat_policy(key["policy"])} for key in auth.get("keys", [])]
+    open_policy = auth.pop("open_policy", None)
+    if auth.get("mode") == "open" and open_policy is not None:
+        auth.update(_flat_policy(open_policy))
+    if not auth["keys"]:
+        del auth["keys"]
+    if not auth.get("admin_keys"):
+        auth.pop("admin_keys", None)
+    return auth
+
+
 def _key(k: str) -> str:
     return k if _BARE.match(k) else json.dumps(k)
 
@@ -123,7 +155,9 @@ def run(path: str) -> int:
         return 2
     finally:
         log.removeHandler(handler)
-    sys.stdout.write(to_toml(plain(cfg)))
+    data = plain(cfg)
+    data["auth"] = _flat_auth(data["auth"])
+    sys.stdout.write(to_toml(data))
     print(f"slogate: {path}: config OK ({len(cfg.backends)} backend"
           f"{'s' if len(cfg.backends) != 1 else ''})", file=sys.stderr)
     return 0

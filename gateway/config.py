@@ -69,6 +69,11 @@ class ServerConfig:
     # (decompressed).
     max_event_bytes: int = 8 * 1024 * 1024
     max_response_bytes: int = 32 * 1024 * 1024
+    # A separate listener for /admin/* (0 = the main one). /metrics and the console move there
+    # too when these say so.
+    admin_port: int = 0
+    admin_metrics: bool = False
+    admin_console: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,13 @@ class AdmissionConfig:
     redis_url: str = ""  # share in-flight and queued work across gateway processes
     redis_share: float = 1.0  # fraction of each cap this gateway keeps when Redis is down
     lease_s: float = 3.0  # a dead gateway's share is freed after this
+    # Learn each replica's useful concurrency (gradient on upstream TTFT, as Netflix's
+    # concurrency-limits Gradient2 and Envoy's adaptive_concurrency filter), bounded above by
+    # max_concurrency, so requests wait where they can be ordered: here, not in the engine.
+    adaptive_concurrency: bool = True
+    adaptive_initial: int = 8  # the limit before anything was learned
+    adaptive_min: int = 2
+    adaptive_tolerance: float = 2.0  # short-term TTFT may be this x the long-term one
 
 
 @dataclass(frozen=True)
@@ -154,17 +166,66 @@ class BackendConfig:
 
 
 @dataclass(frozen=True)
+class Quotas:
+    """A tenant's quotas (0 = none). Tokens are prompt + completion: an estimate is reserved
+    at admission and settled from the reported usage when the answer ends."""
+    max_in_flight: int = 0
+    max_queued: int = 0
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
+
+    @property
+    def any(self) -> bool:
+        return bool(self.max_in_flight or self.max_queued or self.requests_per_minute
+                    or self.tokens_per_minute)
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    """What a tenant's key decides: the SLO classes it may use (the first is its default;
+    none listed = only its route's class, or every class in open mode), whether it may send
+    x-slo-* and x-slogate-timeout-* overrides and within which bounds, its weight under
+    contention and its quotas. Safe defaults: no overrides, no class chosen by header."""
+    classes: tuple[str, ...] = ()
+    any_class: bool = False  # open mode without `classes`: x-slo-class may pick any class
+    slo_overrides: bool = False
+    timeout_overrides: bool = False
+    override_min_ms: float = 1.0  # bounds of x-slo-ttft-ms / x-slo-tpot-ms
+    override_max_ms: float = 60_000.0
+    weight: float = 1.0
+    quotas: Quotas = field(default_factory=Quotas)
+
+
+OPEN_POLICY = TenantPolicy(any_class=True)  # open mode's defaults
+
+
+@dataclass(frozen=True)
 class GatewayKey:
-    """One [[auth.keys]] entry: a tenant's key, known only by its sha256."""
+    """One [[auth.keys]] entry: a tenant's key, known only by its sha256, and its policy."""
     tenant: str
     sha256: str
     models: tuple[str, ...] = ("*",)
+    policy: TenantPolicy = field(default_factory=TenantPolicy)
+
+
+@dataclass(frozen=True)
+class AdminKey:
+    """One [[auth.admin_keys]] entry: who may read /admin/*, known only by its sha256."""
+    name: str
+    sha256: str
 
 
 @dataclass(frozen=True)
 class AuthConfig:
     mode: str  # "keys" or "open" (open must be chosen explicitly)
     keys: Mapping[str, GatewayKey] = field(default_factory=dict)  # sha256 hex -> key
+    # Open mode: the one policy every request gets (the same knobs as a key's).
+    open_policy: TenantPolicy = OPEN_POLICY
+    admin_keys: Mapping[str, AdminKey] = field(default_factory=dict)  # sha256 hex -> admin key
+
+    def tenants(self) -> tuple[str, ...]:
+        """The configured tenant names (metric labels: these and `other`)."""
+        return tuple(dict.fromkeys(k.tenant for k in self.keys.values()))
 
 
 @dataclass(frozen=True)
@@ -174,6 +235,9 @@ class SLOClass:
     tpot_ms: float
     e2e_ms: float | None = None
     priority: int = 0  # higher is more important (admission uses it)
+    weight: float = 1.0  # its share among classes of the same priority under contention
+    # The least share of dispatches it keeps under contention, whatever the priorities.
+    min_share: float = 0.05
 
 
 DEFAULT_CLASS = SLOClass(name="default", ttft_ms=1000.0, tpot_ms=100.0)
@@ -284,7 +348,7 @@ def _parse(raw: dict[str, Any]) -> Config:
     for i, name in enumerate(names):
         if name in names[:i]:
             raise ConfigError(f"backends[{i}].name", name, "a name not used by another backend")
-    auth = _auth(raw.get("auth"))
+    auth = _auth(raw.get("auth"), slo.classes)
     retry = _retry(raw.get("retry", {}))
     breaker = _breaker(raw.get("breaker", {}))
     fallbacks = _fallbacks(raw.get("fallbacks", {}), backends)
@@ -428,6 +492,11 @@ def _server(table: Any) -> ServerConfig:
         max_event_bytes=_count("server", table, "max_event_bytes", d.max_event_bytes, 1024),
         max_response_bytes=_count("server", table, "max_response_bytes", d.max_response_bytes,
                                   1024),
+        admin_port=_admin_port(table, port),
+        admin_metrics=_typed("server", table, "admin_metrics", bool, d.admin_metrics,
+                             "true or false"),
+        admin_console=_typed("server", table, "admin_console", bool, d.admin_console,
+                             "true or false"),
     )
 
 
@@ -437,6 +506,16 @@ def _count(where: str, table: dict[str, Any], key: str, default: int, minimum: i
     if value < minimum:
         raise ConfigError(f"{where}.{key}", value, expected)
     return value
+
+
+def _admin_port(table: dict[str, Any], port: int) -> int:
+    admin: int = _typed("server", table, "admin_port", int, 0,
+                        "an integer port 1-65535 other than server.port, or 0 (no separate "
+                        "admin listener)")
+    if not 0 <= admin <= 65535 or (admin and admin == port):
+        raise ConfigError("server.admin_port", admin, "an integer port 1-65535 other than "
+                          "server.port, or 0 (no separate admin listener)")
+    return admin
 
 
 def _seconds(where: str, table: dict[str, Any], key: str, default: float,
@@ -532,7 +611,19 @@ def _admission(table: Any) -> AdmissionConfig:
                                            d.engine_metrics_interval_s, positive=True),
         redis_url=redis_url, redis_share=fraction("redis_share", 0.0, 1.0),
         lease_s=_seconds("admission", table, "lease_s", d.lease_s, positive=True),
+        adaptive_concurrency=_typed("admission", table, "adaptive_concurrency", bool,
+                                    d.adaptive_concurrency, "true or false"),
+        adaptive_initial=count("adaptive_initial"), adaptive_min=count("adaptive_min"),
+        adaptive_tolerance=_tolerance(table, d.adaptive_tolerance),
     )
+
+
+def _tolerance(table: dict[str, Any], default: float) -> float:
+    value: float = _typed("admission", table, "adaptive_tolerance", float, default,
+                          "a number >= 1")
+    if value < 1:
+        raise ConfigError("admission.adaptive_tolerance", value, "a number >= 1")
+    return value
 
 
 def _fallbacks(table: Any,
@@ -631,39 +722,111 @@ def _health_path(where: str, table: dict[str, Any]) -> str:
     return path
 
 
-def _auth(table: Any) -> AuthConfig:
+POLICY_KEYS = {"classes", "slo_overrides", "timeout_overrides", "override_min_ms",
+               "override_max_ms", "weight", "max_in_flight", "max_queued",
+               "requests_per_minute", "tokens_per_minute"}
+
+
+def _auth(table: Any, classes: Mapping[str, SLOClass] | None = None) -> AuthConfig:
     expected = ('[auth] with mode = "keys" and [[auth.keys]] (tenant, sha256), or mode = "open" '
                 "to serve without gateway keys")
     if not isinstance(table, dict):
         raise ConfigError("auth", table, expected)
-    _check_keys("auth", table, {"mode", "keys"})
+    _check_keys("auth", table, {"mode", "keys", "admin_keys"} | POLICY_KEYS)
     mode = table.get("mode")
     if mode not in ("keys", "open"):
         raise ConfigError("auth.mode", mode, expected)
     keys_raw = table.get("keys", [])
     if not isinstance(keys_raw, list) or (mode == "keys" and not keys_raw):
         raise ConfigError("auth.keys", keys_raw, "at least one [[auth.keys]] table in keys mode")
+    names = classes or {}
+    if mode == "keys" and set(table) & POLICY_KEYS:
+        key = sorted(set(table) & POLICY_KEYS)[0]
+        raise ConfigError(f"auth.{key}", table[key],
+                          "a key of [[auth.keys]] (in keys mode each key carries its policy)")
     keys: dict[str, GatewayKey] = {}
     for i, k in enumerate(keys_raw):
         where = f"auth.keys[{i}]"
         if not isinstance(k, dict):
             raise ConfigError(where, k, "a table")
-        _check_keys(where, k, {"tenant", "sha256", "models"})
+        _check_keys(where, k, {"tenant", "sha256", "models"} | POLICY_KEYS)
         tenant = k.get("tenant")
-        if not isinstance(tenant, str) or not tenant:
-            raise ConfigError(f"{where}.tenant", tenant, "a tenant name")
-        digest = k.get("sha256")
-        if (not isinstance(digest, str) or len(digest) != 64
-                or any(c not in "0123456789abcdef" for c in digest.lower())):
-            # Never echo what might be a real key pasted by mistake.
-            raise ConfigError(f"{where}.sha256", "<hidden>",
-                              "the 64-hex-digit sha256 of the key (`slogate hash-key`)")
+        if not isinstance(tenant, str) or not tenant or tenant == "other":
+            raise ConfigError(f"{where}.tenant", tenant, 'a tenant name (not "other")')
+        digest = _digest(where, k)
         models = k.get("models", ["*"])
         if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
             raise ConfigError(f"{where}.models", models, 'a list of model names or ["*"]')
-        keys[digest.lower()] = GatewayKey(tenant=tenant, sha256=digest.lower(),
-                                          models=tuple(models))
-    return AuthConfig(mode=mode, keys=keys)
+        keys[digest] = GatewayKey(tenant=tenant, sha256=digest, models=tuple(models),
+                                  policy=_policy(where, k, names))
+    admin: dict[str, AdminKey] = {}
+    admin_raw = table.get("admin_keys", [])
+    if not isinstance(admin_raw, list):
+        raise ConfigError("auth.admin_keys", admin_raw, "a list of [[auth.admin_keys]] tables")
+    for i, k in enumerate(admin_raw):
+        where = f"auth.admin_keys[{i}]"
+        if not isinstance(k, dict):
+            raise ConfigError(where, k, "a table")
+        _check_keys(where, k, {"name", "sha256"})
+        name = k.get("name", f"admin-{i}")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where}.name", name, "a name for this admin key")
+        digest = _digest(where, k)
+        if digest in keys:
+            raise ConfigError(f"{where}.sha256", "<hidden>", "a key that is not also a tenant key")
+        admin[digest] = AdminKey(name=name, sha256=digest)
+    open_policy = (_policy("auth", table, names, any_class=True) if mode == "open"
+                   else TenantPolicy())
+    return AuthConfig(mode=mode, keys=keys, open_policy=open_policy, admin_keys=admin)
+
+
+def _digest(where: str, k: dict[str, Any]) -> str:
+    digest = k.get("sha256")
+    if (not isinstance(digest, str) or len(digest) != 64
+            or any(c not in "0123456789abcdef" for c in digest.lower())):
+        # Never echo what might be a real key pasted by mistake.
+        raise ConfigError(f"{where}.sha256", "<hidden>",
+                          "the 64-hex-digit sha256 of the key (`slogate hash-key`)")
+    return digest.lower()
+
+
+def _policy(where: str, k: dict[str, Any], classes: Mapping[str, SLOClass],
+            any_class: bool = False) -> TenantPolicy:
+    """A tenant's SLO classes, overrides, weight and quotas (a key's, or open mode's)."""
+    d = TenantPolicy()
+    allowed = k.get("classes", [])
+    if (not isinstance(allowed, list) or not all(isinstance(c, str) for c in allowed)
+            or (classes and any(c not in classes for c in allowed))):
+        raise ConfigError(f"{where}.classes", allowed,
+                          f"a list of SLO class names from {sorted(classes)} (the first is the "
+                          "default)")
+    low = _typed(where, k, "override_min_ms", float, d.override_min_ms,
+                 "a positive number of milliseconds")
+    high = _typed(where, k, "override_max_ms", float, d.override_max_ms,
+                  "a number of milliseconds >= override_min_ms")
+    if low <= 0:
+        raise ConfigError(f"{where}.override_min_ms", low, "a positive number of milliseconds")
+    if high < low:
+        raise ConfigError(f"{where}.override_max_ms", high,
+                          "a number of milliseconds >= override_min_ms")
+    weight = _typed(where, k, "weight", float, d.weight, "a positive number")
+    if not weight > 0:
+        raise ConfigError(f"{where}.weight", weight, "a positive number")
+
+    def quota(key: str) -> int:
+        value: int = _typed(where, k, key, int, 0, "an integer >= 0 (0 = no quota)")
+        if value < 0:
+            raise ConfigError(f"{where}.{key}", value, "an integer >= 0 (0 = no quota)")
+        return value
+
+    return TenantPolicy(
+        classes=tuple(allowed), any_class=any_class and not allowed,
+        slo_overrides=_typed(where, k, "slo_overrides", bool, False, "true or false"),
+        timeout_overrides=_typed(where, k, "timeout_overrides", bool, False, "true or false"),
+        override_min_ms=low, override_max_ms=high, weight=weight,
+        quotas=Quotas(max_in_flight=quota("max_in_flight"), max_queued=quota("max_queued"),
+                      requests_per_minute=quota("requests_per_minute"),
+                      tokens_per_minute=quota("tokens_per_minute")))
 
 
 def _telemetry(table: Any) -> TelemetryConfig:
@@ -719,6 +882,13 @@ def _positive_ms(where: str, table: dict[str, Any], key: str, required: bool) ->
     return value
 
 
+def _class_weight(where: str, c: dict[str, Any]) -> float:
+    value: float = _typed(where, c, "weight", float, 1.0, "a positive number")
+    if not value > 0:
+        raise ConfigError(f"{where}.weight", value, "a positive number")
+    return value
+
+
 def _slo(table: Any, classes_raw: Any) -> SLOConfig:
     if not isinstance(table, dict):
         raise ConfigError("slo", table, "a table")
@@ -731,7 +901,8 @@ def _slo(table: Any, classes_raw: Any) -> SLOConfig:
         where = f"slo_classes[{i}]"
         if not isinstance(c, dict):
             raise ConfigError(where, c, "a table")
-        _check_keys(where, c, {"name", "ttft_ms", "tpot_ms", "e2e_ms", "priority"})
+        _check_keys(where, c, {"name", "ttft_ms", "tpot_ms", "e2e_ms", "priority", "weight",
+                               "min_share"})
         name = c.get("name")
         if not isinstance(name, str) or not name or name in classes:
             raise ConfigError(f"{where}.name", name, "a non-empty name not used by another class")
@@ -741,6 +912,8 @@ def _slo(table: Any, classes_raw: Any) -> SLOConfig:
             tpot_ms=_positive_ms(where, c, "tpot_ms", True),  # type: ignore[arg-type]
             e2e_ms=_positive_ms(where, c, "e2e_ms", False),
             priority=_typed(where, c, "priority", int, 0, "an integer (higher = more important)"),
+            weight=_class_weight(where, c),
+            min_share=_ratio(where, c, "min_share", SLOClass.min_share),
         )
     if not classes:
         classes = {DEFAULT_CLASS.name: DEFAULT_CLASS}

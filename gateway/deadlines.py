@@ -123,13 +123,18 @@ class DeadlineOverrides:
     total_s: float | None = None
 
     @classmethod
-    def from_headers(cls, headers: Mapping[str, str]) -> DeadlineOverrides:
+    def from_headers(cls, headers: Mapping[str, str],
+                     allowed: bool = True) -> DeadlineOverrides:
+        """The overrides asked for; 403 when the tenant's key may not send any (`allowed`)."""
         values: dict[str, float] = {}
         for name in _OVERRIDE_NAMES:
             header = f"x-slogate-timeout-{name.replace('_', '-')}-ms"
             raw = headers.get(header)
             if raw is None:
                 continue
+            if not allowed:
+                raise GatewayError(403, f"This key may not send {header}.",
+                                   "timeout_override_not_allowed", outcome="rejected")
             try:
                 ms = float(raw)
             except ValueError:
@@ -153,6 +158,11 @@ class DeadlineOverrides:
     @property
     def any(self) -> bool:
         return self is not NO_OVERRIDES
+
+    def tightened(self, timeouts: Timeouts, applied: Timeouts) -> bool:
+        """Did this request make `applied` tighter than the server's own `timeouts`? Then a
+        deadline it hits is the client's choice and says nothing about the backend."""
+        return self.any and applied != timeouts
 
 
 NO_OVERRIDES = DeadlineOverrides()

@@ -13,6 +13,8 @@ become metric labels and access-log fields.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 # -- outcomes of a request (slogate_requests_total{outcome}, the access log's `outcome`) --------
@@ -48,6 +50,40 @@ class GatewayError(Exception):
         self.param = param
         self.outcome = outcome
         self.headers = headers or {}
+
+
+# -- why admission shed a request (slogate_tenant_sheds_total{reason}, x-slogate-admission) ------
+SHED_QUEUE_FULL = "queue_full"  # the queue was full and this flow was the one over its share
+SHED_TTFT_INFEASIBLE = "ttft_infeasible"
+QUOTA_IN_FLIGHT = "quota_in_flight"
+QUOTA_QUEUED = "quota_queued"
+QUOTA_REQUESTS = "quota_requests_per_minute"
+QUOTA_TOKENS = "quota_tokens_per_minute"
+SHED_REASONS = (SHED_QUEUE_FULL, SHED_TTFT_INFEASIBLE, QUOTA_IN_FLIGHT, QUOTA_QUEUED,
+                QUOTA_REQUESTS, QUOTA_TOKENS)
+
+
+@dataclass(frozen=True)
+class RateLimits:
+    """What a tenant's rate quotas say now, for the SDKs' rate-limit headers (0 limit = none)."""
+    requests_limit: int = 0
+    requests_remaining: int = 0
+    requests_reset_s: float = 0.0
+    tokens_limit: int = 0
+    tokens_remaining: int = 0
+    tokens_reset_s: float = 0.0
+
+
+class RateLimited(GatewayError):
+    """A tenant's quota refused the request: 429 with Retry-After, and the API adapter adds the
+    rate-limit headers its SDKs read (`limits`)."""
+
+    def __init__(self, message: str, code: str, retry_after_s: float,
+                 limits: RateLimits) -> None:
+        super().__init__(429, message, code, outcome=REJECTED,
+                         headers={"Retry-After": str(max(1, math.ceil(retry_after_s))),
+                                  "x-slogate-admission": code})
+        self.limits = limits
 
 
 class AttemptFailed(Exception):

@@ -82,7 +82,8 @@ class Exchange:
         "token_ns", "overhead_ns", "t_connect_start", "t_connect_end", "provider_queue_s",
         "provider_prefill_s", "provider_decode_s", "provider_prefill_inferred", "slo",
         "verdict", "model_label", "ttft_split",
-        "interruption", "trace", "server_address", "server_port", "tenant",
+        "interruption", "trace", "server_address", "server_port", "tenant", "tenant_label",
+        "policy", "served_model",
         "admission", "t_queued", "t_admitted", "t_last_event", "t_dispatched", "attempts",
         "on_first_token",
         # the phases' working state
@@ -132,7 +133,10 @@ class Exchange:
         self.trace: Any = None  # telemetry.tracing.RequestSpans when tracing is on
         self.server_address: str | None = None
         self.server_port: int | None = None
-        self.tenant: str | None = None  # from the gateway key; logs only, never a metric label
+        self.tenant: str | None = None  # from the gateway key (logs)
+        self.tenant_label = "other"  # bounded metric label: a configured tenant, or `other`
+        self.policy: Any = None  # config.TenantPolicy the request runs under
+        self.served_model: str | None = None  # the client-visible model an attempt served
         self.admission: tuple[str, str] | None = None  # (decision, reason)
         self.t_queued = 0  # entered the admission queue (0: never queued)
         self.t_admitted = 0  # left the admission queue (0: never queued)
@@ -299,8 +303,10 @@ class Exchange:
         }
         if self.tenant:
             rec["tenant"] = self.tenant
-        if self.upstream_model and self.upstream_model != self.model:
-            rec["served_model"] = self.upstream_model
+        if self.served_model:
+            rec["served_model"] = self.served_model
+        if self.upstream_model and self.upstream_model != (self.served_model or self.model):
+            rec["upstream_model"] = self.upstream_model
         if self.attempts:
             rec["attempts"] = [{"backend": a.backend, "result": a.result,
                                 "ms": round((a.t_end - a.t_sent) / 1e6, 3)} for a in self.attempts]

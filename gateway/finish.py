@@ -41,6 +41,7 @@ class Finisher:
         ctx.ttft_split = ttft_split(ctx)  # the TTFT's stages, read by every sink below
         if self.prometheus:
             self.metrics.observe(ctx)
+            self.metrics.tenants.observe(ctx)
         if self.tracing.enabled:
             self.tracing.finish(ctx, operation, provider)
         if self.otlp.enabled:

@@ -69,3 +69,13 @@ def stream_of(body: dict[str, Any]) -> bool:
     if not isinstance(stream, bool):
         raise GatewayError(400, "'stream' must be a boolean.", "invalid_type", param="stream")
     return stream
+
+
+def max_output_tokens(body: dict[str, Any]) -> int | None:
+    """The output the request asks for at most (for the tenant's token reservation), or
+    None when it does not say."""
+    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None

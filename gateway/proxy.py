@@ -34,13 +34,17 @@ from gateway.errors import (
     ATTEMPT_OK,
     CLIENT_CANCELLED,
     CONNECT_ERROR,
+    FIRST_TOKEN,
     GATEWAY_ERROR,
+    IDLE,
     OK,
     TIMEOUT,
+    TOTAL,
     UPSTREAM_ERROR,
     AttemptFailed,
     ClientGone,
     GatewayError,
+    RateLimited,
     deadline_failure,
 )
 from gateway.exchange import Attempt, Exchange, now_ns
@@ -135,16 +139,21 @@ class Proxy:
     # -- the phases, in request order ------------------------------------------------------------
 
     def authenticate(self, ex: Exchange, request: web.Request) -> None:
-        """Key → tenant. May refuse (401). Hands on `ex.key` and `ex.tenant`."""
+        """Key → tenant and its policy. May refuse (401). Hands on `ex.key`, `ex.tenant`,
+        `ex.tenant_label` (bounded) and `ex.policy`."""
         ex.key = self.auth.authenticate(request.headers)
         if ex.key is not None:
             ex.tenant = ex.key.tenant
+        ex.tenant_label = self.auth.tenant_label(ex.key)
+        ex.policy = self.auth.policy(ex.key)
 
     def classify(self, ex: Exchange, request: web.Request) -> DeadlineOverrides:
-        """The SLO target and the deadline overrides the request asked for, each parsed once
-        and bounded. May refuse (400). Hands on `ex.slo` and the overrides."""
-        ex.slo = self.slo.target_for(ex.route, request.headers)
-        return DeadlineOverrides.from_headers(request.headers)
+        """The SLO target and the deadline overrides the request asked for, each parsed once,
+        bounded and checked against the tenant's policy: a class its key may not use, or an
+        override it may not send, is a 403 naming what it may. May refuse (400, 403). Hands on
+        `ex.slo` and the overrides."""
+        ex.slo = self.slo.target_for(ex.route, request.headers, ex.policy)
+        return DeadlineOverrides.from_headers(request.headers, ex.policy.timeout_overrides)
 
     async def read(self, ex: Exchange, request: web.Request) -> None:
         """The body (bounded) and the few fields the gateway needs: model, stream. May refuse
@@ -186,7 +195,8 @@ class Proxy:
         api = self._api(ex)
         ex.ticket = await self.admission.admit(
             ex, api.family, len(ex.body),
-            api.prefix_key(ex.parsed, self.cfg.admission.prefix_bytes))
+            api.prefix_key(ex.parsed, self.cfg.admission.prefix_bytes),
+            self._model_chain(ex), ingress.max_output_tokens(ex.parsed))
         ex.on_first_token = ex.ticket.first_token
 
     async def forward(self, ex: Exchange, request: web.Request, watchdog: Watchdog,
@@ -239,7 +249,7 @@ class Proxy:
         except AttemptFailed as e:
             ex.last_failure = e
             self.metrics.child(self.metrics.attempts, (replica.name, e.result)).inc()
-            if e.judges_backend:
+            if e.judges_backend and not self._clients_own(e, attempt, overrides):
                 replica.breaker.failure()
             elif attempt.probe:
                 replica.breaker.release()
@@ -255,27 +265,57 @@ class Proxy:
         replica.breaker.success()
         return response
 
-    def choose_replica(self, ex: Exchange, overrides: DeadlineOverrides) -> Attempt:
-        """The replica admission chose, if its breaker lets this request through (a half-open
-        breaker admits one probe, however the replica was chosen); else an untried replica of
-        the model, then of its fallback models the key may use, in order; else one already
-        tried (a retry after Retry-After may go back). Hands on `ex.attempt`."""
-        api = self._api(ex)
+    def _model_chain(self, ex: Exchange) -> list[str]:
+        """The requested model, then its fallbacks that the key may use, in order."""
         model = ex.model or ""
+        return [model] + [m for m in self.cfg.fallbacks.get(model, ())
+                          if self.auth.allows(ex.key, m)]
+
+    def _may_send(self, ex: Exchange, served: str, replica: Replica) -> bool:
+        """May this key's request for `served` go to `replica`? The model must be on the key's
+        allow-list, and so must the name the replica's alias sends upstream when that name is
+        itself a model the gateway serves (an alias must not be a way round the list)."""
+        if not self.auth.allows(ex.key, served):
+            return False
+        upstream = replica.cfg.aliases.get(served, served)
+        return (upstream == served or self.auth.allows(ex.key, upstream)
+                or self.router.model_label(upstream) == "other")
+
+    @staticmethod
+    def _clients_own(e: AttemptFailed, attempt: Attempt, overrides: DeadlineOverrides) -> bool:
+        """A deadline (or connect timeout) the client itself tightened ran out: that is the
+        client's choice and says nothing about the backend's health."""
+        if e.result not in (FIRST_TOKEN, IDLE, TOTAL, CONNECT_ERROR):
+            return False
+        return overrides.tightened(attempt.replica.cfg.timeouts, attempt.timeouts)
+
+    def choose_replica(self, ex: Exchange, overrides: DeadlineOverrides) -> Attempt:
+        """The replica admission chose (for the model it found capacity for: the requested
+        one or a fallback), if its breaker lets this request through (a half-open breaker
+        admits one probe, however the replica was chosen); else an untried replica of the
+        model, then of its fallback models the key may use, in order; else one already tried
+        (a retry after Retry-After may go back). Every attempt's model is checked against the
+        key's allow-list. Hands on `ex.attempt`."""
+        api = self._api(ex)
         tried = [a.replica for a in ex.attempts]
         ticket = ex.ticket
         chosen: tuple[Replica, str] | None = None
+        served = ex.model or ""
         if (ticket is not None and ticket.replica not in tried and ticket.replica.healthy
+                and self._may_send(ex, ticket.model, ticket.replica)
                 and ticket.replica.breaker.acquire()):
-            chosen = ticket.replica, ticket.replica.cfg.aliases.get(model, model)
+            served = ticket.model
+            chosen = ticket.replica, ticket.replica.cfg.aliases.get(served, served)
         else:
-            chain = [model] + [m for m in self.cfg.fallbacks.get(model, ())
-                               if self.auth.allows(ex.key, m)]
+            chain = [m for m in self._model_chain(ex) if self.auth.allows(ex.key, m)]
             last: GatewayError | None = None
             for exclude in (tried, ()):
                 for name in chain:
+                    forbidden = [r for r in self.router.replicas_for(name, api.family)
+                                 if not self._may_send(ex, name, r)]
                     try:
-                        chosen = self.router.pick(name, api.family, exclude)
+                        chosen = self.router.pick(name, api.family, [*exclude, *forbidden])
+                        served = name
                         break
                     except GatewayError as e:
                         last = e
@@ -286,9 +326,12 @@ class Proxy:
                     # Nowhere left to go: the client hears about the last real failure.
                     ex.last_failure.retryable = False
                     raise ex.last_failure
-                assert last is not None
+                if last is None:
+                    self.auth.authorize(ex.key, ex.model or "")
+                    raise AssertionError("unreachable: the requested model is allowed")
                 raise last
         replica, upstream_model = chosen
+        ex.served_model = served
         if ticket is not None:
             ticket.move(replica)
         attempt = Attempt(replica, upstream_model, overrides.apply(replica.cfg.timeouts),
@@ -408,6 +451,8 @@ class Proxy:
 
     def error_response(self, ex: Exchange, e: GatewayError) -> web.Response:
         headers = {REQUEST_ID_HEADER: ex.request_id, **e.headers}
+        if isinstance(e, RateLimited):  # what the client's SDK reads to pace its retries
+            headers.update(self._api(ex).rate_limit_headers(e.limits))
         return web.Response(status=e.status, body=self._api(ex).error_body(
             e.status, e.message, e.code, e.param), content_type="application/json",
             headers=headers)

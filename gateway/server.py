@@ -42,6 +42,7 @@ DRAINING_KEY = web.AppKey("draining", asyncio.Event)
 ADMISSION_KEY: web.AppKey[AdmissionController | None] = web.AppKey("admission")
 SHARED_KEY = web.AppKey("shared_state", object)
 CONSOLE_KEY = web.AppKey("console", Console)
+ADMIN_APP_KEY = web.AppKey("admin_app", web.Application)  # with [server] admin_port
 
 
 def build_app(cfg: Config, *, tracing: Tracing | None = None,
@@ -56,13 +57,18 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
     app[DRAINING_KEY] = asyncio.Event()
     auth = AuthPolicy(cfg.auth)
     slo = SLOPolicy(cfg.slo)
-    metrics = Metrics(cfg.slo.thresholds_s(), cfg.slo.classes, [b.name for b in cfg.backends])
+    metrics = Metrics(cfg.slo.thresholds_s(), cfg.slo.classes, [b.name for b in cfg.backends],
+                      cfg.auth.tenants())
     app[METRICS_KEY] = metrics
+    # The admin surface: on its own listener when [server] admin_port says so.
+    admin_app = web.Application() if cfg.server.admin_port else app
+    if admin_app is not app:
+        app[ADMIN_APP_KEY] = admin_app
     # The live console (GET /console): fed by the finisher, reads the running gateway's state.
     recorder = ConsoleRecorder(cfg.slo.classes.values())
     console = app[CONSOLE_KEY] = Console(recorder, lambda: (
         app.get(ROUTER_KEY), app.get(PROXY_KEY), app.get(ADMISSION_KEY)), gateway.version())
-    console.add_routes(app)
+    console.add_routes(admin_app if cfg.server.admin_console else app)
 
     async def startup(app: web.Application) -> None:
         replicas = [Replica(b, cfg.breaker, lambda name, st: metrics.breaker.labels(name).set(st))
@@ -134,29 +140,45 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
     async def prometheus(request: web.Request) -> web.Response:
         # OpenMetrics when the scraper asks for it: that format carries exemplars (trace ids).
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-        body = encoder(request.app[METRICS_KEY].registry)
+        body = encoder(app[METRICS_KEY].registry)
         return web.Response(body=body, headers={"Content-Type": content_type})
 
+    def admin_only(handler: Handler) -> Handler:
+        """/admin/*: an admin key ([[auth.admin_keys]], hashed like the others), never a
+        tenant's key; open only in open mode with no admin keys configured."""
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            try:
+                auth.authenticate_admin(request.headers)
+            except GatewayError as e:
+                return web.Response(status=e.status, content_type="application/json",
+                                    body=chat.error_body(e.status, e.message, e.code))
+            return await handler(request)
+        return guarded
+
     async def admission_state(request: web.Request) -> web.Response:
-        try:
-            auth.authenticate(request.headers)
-        except GatewayError as e:
-            return web.Response(status=e.status, content_type="application/json",
-                                body=chat.error_body(e.status, e.message, e.code))
-        ctrl = request.app[ADMISSION_KEY]
+        ctrl = app[ADMISSION_KEY]
         body = ctrl.snapshot() if ctrl is not None else {"enabled": False}
         return web.json_response(body, dumps=_dumps)
 
+    async def backends_state(request: web.Request) -> web.Response:
+        """Per-model and per-replica health: breakers, active checks, what is available."""
+        router = app[ROUTER_KEY]
+        return web.json_response(backend_health(router), dumps=_dumps)
+
     async def healthz(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"}, dumps=_dumps)
+        body: dict[str, Any] = {"status": "ok"}
+        if request.query.get("verbose") == "1" and ROUTER_KEY in app:
+            body["models_without_backend"] = app[ROUTER_KEY].unavailable_models()
+        return web.json_response(body, dumps=_dumps)
 
     async def readyz(request: web.Request) -> web.Response:
-        if request.app[DRAINING_KEY].is_set():
+        """This process only: listening, config loaded, not draining. A backend's health is
+        not this pod's readiness (every pod would leave rotation for every model at once);
+        it is in /admin/backends."""
+        if app[DRAINING_KEY].is_set():
             return web.json_response({"status": "draining"}, status=503, dumps=_dumps)
-        down = request.app[ROUTER_KEY].unavailable_models()
-        if down:
-            return web.json_response({"status": "unavailable", "models_without_backend": down},
-                                     status=503, dumps=_dumps)
+        if PROXY_KEY not in app:
+            return web.json_response({"status": "starting"}, status=503, dumps=_dumps)
         return web.json_response({"status": "ready"}, dumps=_dumps)
 
     async def not_found(request: web.Request) -> web.Response:
@@ -183,13 +205,33 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
         app.router.add_route(method, path, with_id(handler))
     app.router.add_get("/v1/models", with_id(models))
     if cfg.telemetry.prometheus:
-        app.router.add_get("/metrics", with_id(prometheus))
-    app.router.add_get("/admin/admission", with_id(admission_state))
+        (admin_app if cfg.server.admin_metrics else app).router.add_get(
+            "/metrics", with_id(prometheus))
+    admin_app.router.add_get("/admin/admission", with_id(admin_only(admission_state)))
+    admin_app.router.add_get("/admin/backends", with_id(admin_only(backends_state)))
     app.router.add_get("/healthz", with_id(healthz))
     app.router.add_get("/readyz", with_id(readyz))
     _answer_wrong_methods(app, client_api)
     app.router.add_route("*", "/v1/{tail:.*}", with_id(not_found))
     return app
+
+
+def backend_health(router: Router) -> dict[str, Any]:
+    """What /admin/backends answers: each model's available replicas, each replica's breaker
+    and active-check state."""
+    states = {0: "closed", 1: "half_open", 2: "open"}
+    replicas = {r.name: {"models": list(r.cfg.models), "breaker": states.get(r.breaker.state),
+                         "healthy": r.healthy, "available": r.available(),
+                         "retry_after_s": round(r.breaker.retry_after_s(), 3)}
+                for r in router.replicas}
+    models = {}
+    for model in router.models() or ["*"]:
+        reps = [r for r in router.replicas if model in r.cfg.models or model in r.cfg.aliases
+                or (model == "*" and r.cfg.wildcard)]
+        models[model] = {"replicas": [r.name for r in reps],
+                         "available": [r.name for r in reps if r.available()]}
+    return {"models": models, "replicas": replicas,
+            "models_without_backend": router.unavailable_models()}
 
 
 def _answer_wrong_methods(app: web.Application,
@@ -275,6 +317,17 @@ async def serve(cfg: Config, host: str, port: int) -> None:
     # collect the young generation less often (the relay allocates a little per read).
     gc.freeze()
     gc.set_threshold(20_000, 20, 50)
+    admin_runner = None
+    if ADMIN_APP_KEY in app:
+        admin_runner = web.AppRunner(app[ADMIN_APP_KEY], access_log=None)
+        await admin_runner.setup()
+        try:
+            await web.TCPSite(admin_runner, host, cfg.server.admin_port).start()
+        except OSError as e:
+            await admin_runner.cleanup()
+            await runner.cleanup()
+            raise ListenError(describe_listen_error(e, host, cfg.server.admin_port)) from None
+        log.info("admin listener on http://%s:%d", host, cfg.server.admin_port)
     names = ", ".join(f"{b.name} ({b.base_url})" for b in cfg.backends)
     log.info("listening on http://%s:%d, backends: %s", host, port, names)
     stop = asyncio.Event()
@@ -288,6 +341,8 @@ async def serve(cfg: Config, host: str, port: int) -> None:
         await asyncio.sleep(cfg.server.readiness_grace_s)
     await site.stop()  # no new connections
     await drain(app, cfg.server.drain_timeout_s)
+    if admin_runner is not None:
+        await admin_runner.cleanup()
     await runner.cleanup()
     log.info("stopped")
 

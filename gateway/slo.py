@@ -5,7 +5,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gateway.config import DEFAULT_CLASS, SLOClass, SLOConfig
+from gateway.config import DEFAULT_CLASS, OPEN_POLICY, SLOClass, SLOConfig, TenantPolicy
 from gateway.errors import OK, GatewayError
 from gateway.telemetry import durations
 
@@ -52,23 +52,46 @@ class SLOPolicy:
         self.min_ms, self.max_ms = cfg.min_ms, cfg.max_ms
         self.allow_header_overrides = cfg.allow_header_overrides
 
-    def target_for(self, route: str, headers: Mapping[str, str]) -> SLOTarget:
+    def target_for(self, route: str, headers: Mapping[str, str],
+                   tenant: TenantPolicy = OPEN_POLICY) -> SLOTarget:
+        """The class the tenant asked for (x-slo-class) among those its key may use (403
+        naming them otherwise), else the route's class when the key may use it, else the
+        key's default (the first it lists). A key that lists no classes may use only its
+        route's class (open mode: any class). TTFT/TPOT overrides only when the key allows
+        them, within the tighter of its bounds and [slo]'s."""
         name = self.route_classes.get(route, self.default)
-        if self.allow_header_overrides:
-            asked = headers.get(CLASS_HEADER)
-            if asked is not None:
-                if asked not in self.classes:
-                    raise GatewayError(400, f"Unknown SLO class '{asked[:64]}' in {CLASS_HEADER}; "
-                                       f"configured: {sorted(self.classes)}.", "invalid_slo_class")
-                name = asked
+        if tenant.classes:
+            allowed = tenant.classes
+            if name not in allowed:
+                name = allowed[0]
+        else:
+            allowed = tuple(self.classes) if tenant.any_class else (name,)
+        asked = headers.get(CLASS_HEADER)
+        if asked is not None and self.allow_header_overrides:
+            if asked not in self.classes:
+                raise GatewayError(400, f"Unknown SLO class '{asked[:64]}' in {CLASS_HEADER}; "
+                                   f"configured: {sorted(self.classes)}.", "invalid_slo_class")
+            if asked not in allowed:
+                raise GatewayError(403, f"This key may not use the SLO class '{asked}'; "
+                                   f"allowed: {list(allowed)}.", "slo_class_not_allowed",
+                                   outcome="rejected")
+            name = asked
         cls = self.classes[name]
         ttft, tpot = cls.ttft_ms, cls.tpot_ms
-        if self.allow_header_overrides:
-            ttft = self._override(headers, TTFT_HEADER, ttft)
-            tpot = self._override(headers, TPOT_HEADER, tpot)
+        if self.allow_header_overrides and (TTFT_HEADER in headers or TPOT_HEADER in headers):
+            if not tenant.slo_overrides:
+                raise GatewayError(403, f"This key may not override SLO targets ({TTFT_HEADER}, "
+                                   f"{TPOT_HEADER}); use one of its classes: {list(allowed)}.",
+                                   "slo_override_not_allowed", outcome="rejected")
+            low = max(self.min_ms, tenant.override_min_ms)
+            high = min(self.max_ms, tenant.override_max_ms)
+            ttft = self._override(headers, TTFT_HEADER, ttft, low, high)
+            tpot = self._override(headers, TPOT_HEADER, tpot, low, high)
         return SLOTarget(cls=cls, ttft_ms=ttft, tpot_ms=tpot, e2e_ms=cls.e2e_ms)
 
-    def _override(self, headers: Mapping[str, str], header: str, value: float) -> float:
+    @staticmethod
+    def _override(headers: Mapping[str, str], header: str, value: float, low: float,
+                  high: float) -> float:
         raw = headers.get(header)
         if raw is None:
             return value
@@ -76,9 +99,9 @@ class SLOPolicy:
             ms = float(raw)
         except ValueError:
             ms = float("nan")
-        if not (self.min_ms <= ms <= self.max_ms):
+        if not (low <= ms <= high):
             raise GatewayError(400, f"{header} must be a number of milliseconds between "
-                               f"{self.min_ms:g} and {self.max_ms:g}.", "invalid_slo_header")
+                               f"{low:g} and {high:g}.", "invalid_slo_header")
         return ms
 
 

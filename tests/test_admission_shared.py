@@ -27,6 +27,7 @@ RELAXED = {"x-slo-ttft-ms": "60000", "x-slo-tpot-ms": "60000"}  # queue rather t
 CONFIG = """
 [auth]
 mode = "open"
+slo_overrides = true
 [server]
 access_log = false
 [admission]

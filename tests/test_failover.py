@@ -219,7 +219,8 @@ async def test_deadlines_mid_stream_end_with_an_error_event(deadline, script, co
 async def test_header_can_tighten_a_deadline_but_not_extend_it() -> None:
     up = scripted_app(tokens(1, 0.6) + [b"data: [DONE]\n\n"])
     async with serve_app(up) as up_url, \
-            serve_app(build_app(gw([("a", up_url)], timeouts={"idle_s": 5}))) as base, \
+            serve_app(build_app(gw([("a", up_url)], timeouts={"idle_s": 5},
+                                   auth={"mode": "open", "timeout_overrides": True}))) as base, \
             aiohttp.ClientSession() as s:
         body = {"model": "m", "stream": True, "messages": MSG}
         async with s.post(base + "/v1/chat/completions", json=body,
@@ -279,7 +280,9 @@ async def test_breaker_opens_after_failures_and_closes_after_the_probe() -> None
     assert metric(m, "slogate_upstream_attempts_total", backend="a", result="ok") >= 1
 
 
-async def test_readyz_fails_when_a_model_has_no_healthy_backend() -> None:
+async def test_a_model_without_healthy_backend_is_in_admin_backends_not_readyz() -> None:
+    """/readyz is this process's readiness: a model's dead backend would otherwise take every
+    gateway pod out of rotation, for every model. Its health is in /admin/backends."""
     cfg = gw([("a", f"http://127.0.0.1:{free_port()}")],
              breaker={"failures": 1, "cooldown_s": 30})
     async with serve_app(build_app(cfg)) as base, aiohttp.ClientSession() as s:
@@ -293,7 +296,13 @@ async def test_readyz_fails_when_a_model_has_no_healthy_backend() -> None:
             assert r.status == 503 and int(r.headers["Retry-After"]) > 1
             assert (await r.json())["error"]["code"] == "no_healthy_backend"
         async with s.get(base + "/readyz") as r:
-            assert r.status == 503 and (await r.json())["models_without_backend"] == ["m"]
+            assert r.status == 200
+        async with s.get(base + "/admin/backends") as r:
+            health = await r.json()
+        assert health["models_without_backend"] == ["m"]
+        assert health["replicas"]["a"]["breaker"] == "open"
+        async with s.get(base + "/healthz?verbose=1") as r:
+            assert (await r.json())["models_without_backend"] == ["m"]
 
 
 async def test_active_health_check_marks_a_replica_down() -> None:
@@ -304,11 +313,13 @@ async def test_active_health_check_marks_a_replica_down() -> None:
         cfg = config.parse({"auth": {"mode": "open"}, "backends": [raw_backend]}, env={})
         async with serve_app(build_app(cfg)) as base, aiohttp.ClientSession() as s:
 
-            async def not_ready() -> bool:  # the first check (every 0.1 s) gets a 404
-                async with s.get(base + "/readyz") as r:
-                    return r.status == 503
+            async def marked_down() -> bool:  # the first check (every 0.1 s) gets a 404
+                async with s.get(base + "/admin/backends") as r:
+                    return (await r.json())["replicas"]["a"]["healthy"] is False
 
-            await wait_until(not_ready, timeout=2, what="/readyz answering 503")
+            await wait_until(marked_down, timeout=2, what="/admin/backends showing a down")
+            async with s.get(base + "/readyz") as r:
+                assert r.status == 200  # this process is ready; the backend is not
 
 
 async def test_sigterm_drains_live_streams() -> None:

@@ -565,6 +565,52 @@ def traces_row() -> dict[str, Any]:
     ], collapsed=True)
 
 
+def tenants_row() -> dict[str, Any]:
+    """Per tenant (configured tenants + `other`): goodput, traffic, sheds, quotas."""
+    slo_req = "slogate_tenant_slo_requests_total"
+    return row("Tenants", [
+        timeseries("Goodput by tenant",
+                   "Share of each tenant's judged requests that met their SLO class's TTFT and "
+                   "TPOT targets. One tenant low while the others hold: its own traffic (see "
+                   "its sheds and quota usage); every tenant low: capacity or a backend.",
+                   targets((ratio_or_zero(rate(slo_req, JOB, MET), rate(slo_req, JOB), "tenant"),
+                            "{{tenant}}")),
+                   "percentunit", maximum=1),
+        timeseries("Tenant goodput burn rate (1h)",
+                   "How fast each tenant burns the goodput error budget over the last hour; "
+                   "the SlogateTenantGoodputBudgetBurn alert fires above 14.4x (and 14.4x over "
+                   "5 minutes).",
+                   targets((sel("tenant:slogate_tenant_goodput_burn_rate:rate1h", JOB),
+                            "{{tenant}}")),
+                   "short", lines=((14.4, "red"),)),
+        timeseries("Requests per second by tenant and outcome",
+                   "Finished requests per second, per tenant and outcome.",
+                   targets((f"sum by (tenant, outcome) "
+                            f"({rate('slogate_tenant_requests_total', JOB)})",
+                            "{{tenant}} {{outcome}}")),
+                   "reqps", stack=True),
+        timeseries("Tokens per second by tenant",
+                   "Prompt and completion tokens per second per tenant (reported usage).",
+                   targets((f"sum by (tenant, kind) ({rate('slogate_tenant_tokens_total', JOB)})",
+                            "{{tenant}} {{kind}}")),
+                   "short"),
+        timeseries("Sheds by tenant and reason",
+                   "Requests admission refused per second: over a quota (quota_*), the queue "
+                   "full with this tenant's flow the one over its share, or its TTFT out of "
+                   "reach.",
+                   targets((f"sum by (tenant, reason) ({rate('slogate_tenant_sheds_total', JOB)})",
+                            "{{tenant}} {{reason}}")),
+                   "reqps", stack=True),
+        timeseries("Quota usage by tenant",
+                   "Share of each tenant's quotas in use (requests and tokens per minute, in "
+                   "flight, queued), the highest of the gateways.",
+                   targets((f"max by (tenant, quota) "
+                            f"({sel('slogate_tenant_quota_usage_ratio', JOB)})",
+                            "{{tenant}} {{quota}}")),
+                   "percentunit", lines=((1.0, "red"),)),
+    ])
+
+
 def variables() -> list[dict[str, Any]]:
     def query_var(name: str, label: str, query: str) -> dict[str, Any]:
         return {"name": name, "label": label, "type": "query", "datasource": PROM,
@@ -612,8 +658,8 @@ def layout(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def dashboard() -> dict[str, Any]:
-    rows = [slo_row(), latency_row(), waited_row(), stages_row(), admission_row(), traffic_row(),
-            failures_row(), overhead_row(), traces_row()]
+    rows = [slo_row(), latency_row(), waited_row(), stages_row(), admission_row(),
+            tenants_row(), traffic_row(), failures_row(), overhead_row(), traces_row()]
     return {
         "id": None,
         "uid": "slogate",

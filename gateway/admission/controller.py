@@ -7,28 +7,47 @@ decoding) and learned estimators, and
   (counting the time it already waited, and that its admission slows the streams decoding
   there), with a random tie-break among near-equals so gateways do not herd, and optional
   prefix affinity so engine prefix caches hit;
-- else queue it — highest priority first, earliest deadline first within a priority — and
-  re-evaluate whenever capacity frees;
-- reject it with 429 + Retry-After as soon as its SLO is out of reach (or the queue is full).
-Per-replica concurrency caps are a hard safety net; with Redis they are global.
+- else queue it in its flow (tenant, SLO class) and dispatch the flows in weighted fair order
+  (admission/fairness.py: start-time fair queueing across flows, earliest deadline first
+  within one, strict priority bands with a per-class minimum share), re-evaluated whenever
+  capacity frees; the first waiter in that order that cannot go yet holds the others back on
+  its model, so capacity that frees goes to the flow whose turn it is;
+- reject it with 429 + Retry-After as soon as its SLO is out of reach, when its tenant is over a
+  quota (admission/quotas.py), or when the queue is full and its flow is the one over its share
+  (otherwise the newest waiter of the flow furthest over its share is shed instead).
+Each replica's concurrency is an adaptive limit (admission/limits.py) learned from upstream TTFT,
+bounded by max_concurrency (with Redis, a global cap), so surplus requests wait here, where they
+can be ordered, not in the engine. When no replica of the model (or of a fallback the key may
+use) is available, the answer is 503 no_healthy_backend with the breaker's Retry-After.
+
+Only what the server itself judges teaches the estimators and the limit: requests that ended
+ok. A client that tightened its own deadline, left, or was shed for its own SLO teaches nothing.
 """
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import heapq
 import itertools
 import math
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gateway.admission import engine_metrics
-from gateway.admission.estimator import ReplicaEstimator
-from gateway.config import AdmissionConfig
-from gateway.errors import OK, GatewayError
+from gateway.admission.estimator import ReplicaEstimator, TokenCalibration
+from gateway.admission.fairness import FairQueue
+from gateway.admission.limits import AdaptiveLimit
+from gateway.admission.quotas import DEFAULT_OUTPUT_TOKENS, Reservation, TenantQuotas
+from gateway.config import OPEN_POLICY, AdmissionConfig, TenantPolicy
+from gateway.errors import (
+    OK,
+    SHED_QUEUE_FULL,
+    SHED_TTFT_INFEASIBLE,
+    GatewayError,
+    RateLimited,
+)
 from gateway.exchange import Exchange, now_ns
 from gateway.routing import Replica, Router
 from gateway.telemetry.prometheus import Metrics
@@ -44,16 +63,22 @@ class ReplicaLoad:
 
     __slots__ = ("replica", "est", "prefill_tokens", "prefilling", "decoding", "tpot_targets",
                  "cap", "engine_waiting", "engine_running", "engine_kv_usage", "avg_tokens",
-                 "last_probe")
+                 "last_probe", "adaptive", "hold_s", "holds")
 
-    def __init__(self, replica: Replica, est: ReplicaEstimator, cap: int) -> None:
+    def __init__(self, replica: Replica, est: ReplicaEstimator, cap: int,
+                 adaptive: AdaptiveLimit | None = None) -> None:
         self.replica = replica
         self.est = est
         self.prefill_tokens = 0.0
         self.prefilling = 0
         self.decoding = 0
-        self.tpot_targets: Counter[float] = Counter()  # TPOT targets of the streams decoding
+        # The configured TPOT targets of the classes decoding here (never a request's own
+        # header: one request must not set the gate for everyone else's).
+        self.tpot_targets: Counter[float] = Counter()
         self.cap = cap
+        self.adaptive = adaptive
+        self.hold_s = 0.0  # EWMA of how long an admitted request holds its slot
+        self.holds = 0
         self.engine_waiting = 0.0  # from the engine's own /metrics, when scraped
         self.engine_running = 0.0
         self.engine_kv_usage: float | None = None
@@ -63,6 +88,16 @@ class ReplicaLoad:
     @property
     def in_flight(self) -> int:
         return self.prefilling + self.decoding
+
+    def service_rate(self) -> float | None:
+        """Requests per second this replica frees slots at (limit / mean hold), once known."""
+        if self.holds < 5 or self.hold_s <= 0:
+            return None
+        return self.limit() / self.hold_s
+
+    def limit(self) -> int:
+        """Requests this gateway may have here now: the adaptive limit, at most the cap."""
+        return self.cap if self.adaptive is None else min(self.cap, self.adaptive.value)
 
     def work_ahead(self) -> float:
         """Prompt tokens ahead of a new request: ours in prefill, plus other clients' requests
@@ -84,10 +119,15 @@ class ReplicaLoad:
         self.engine_waiting = values.get("waiting", 0.0)
         self.engine_running = values.get("running", 0.0)
         self.engine_kv_usage = values.get("kv_usage")
+        if self.adaptive is not None and self.engine_waiting > 0 and self.engine_running > 0:
+            # The engine queues with this many running: its batch is full (max_num_seqs or
+            # its KV cache), whoever sent them.
+            self.adaptive.engine_reports(self.engine_running)
 
     def snapshot(self) -> dict[str, Any]:
         return {"prefill_tokens": round(self.prefill_tokens), "prefilling": self.prefilling,
-                "decoding": self.decoding, "cap": self.cap,
+                "decoding": self.decoding, "cap": self.cap, "limit": self.limit(),
+                "concurrency": self.adaptive.snapshot() if self.adaptive is not None else None,
                 "engine": {"waiting": self.engine_waiting, "running": self.engine_running,
                            "kv_cache_usage": self.engine_kv_usage},
                 "healthy": self.replica.available(), **self.est.snapshot()}
@@ -98,13 +138,17 @@ class Ticket:
 
     __slots__ = ("ctrl", "load", "tokens", "body_bytes", "tpot_target_s", "predicted_ttft_s",
                  "work_at_dispatch", "decoding_at_dispatch", "ahead_at_dispatch", "state",
-                 "decoding_sum", "shared_slot")
+                 "decoding_sum", "shared_slot", "model", "tenant", "reservation",
+                 "in_flight_at_dispatch", "t_start")
 
     def __init__(self, ctrl: AdmissionController, load: ReplicaLoad, tokens: float,
                  body_bytes: int, tpot_target_s: float, predicted_ttft_s: float,
-                 shared_slot: bool) -> None:
+                 shared_slot: bool, model: str = "", tenant: str = "other") -> None:
         self.ctrl = ctrl
         self.load = load
+        self.model = model  # the model admission found a replica for (maybe a fallback)
+        self.tenant = tenant
+        self.reservation: Reservation | None = None
         self.tokens = tokens
         self.body_bytes = body_bytes
         self.tpot_target_s = tpot_target_s
@@ -113,6 +157,8 @@ class Ticket:
         self.work_at_dispatch = load.work_ahead() + tokens
         self.decoding_at_dispatch = load.decoding_now()
         self.ahead_at_dispatch = load.requests_ahead()
+        self.in_flight_at_dispatch = load.in_flight + 1
+        self.t_start = ctrl.clock()
         self.decoding_sum: float | None = None  # streams decoding when its first token came
         self.state = "prefill"
         load.prefill_tokens += tokens
@@ -133,6 +179,11 @@ class Ticket:
         load.tpot_targets[self.tpot_target_s] += 1
         self.decoding_sum = load.decoding_now()
         self.state = "decode"
+        if load.adaptive is not None:  # the limit learns from the TTFT now, not at the end
+            est = load.est
+            ttft = (self.ctrl.clock() - self.t_start) / 1e9
+            own = est.ttft.theta[0] + est.ttft.theta[1] * self.tokens / 1000.0
+            load.adaptive.sample(ttft - est.provider_queue_s - own, self.in_flight_at_dispatch)
         self.ctrl.wake()
 
     def move(self, replica: Replica) -> None:
@@ -143,6 +194,8 @@ class Ticket:
             self.ctrl.shared.move(self.load.replica.name, replica.name)
         self._release()
         self.load = self.ctrl.load_of(replica)
+        self.t_start = self.ctrl.clock()
+        self.in_flight_at_dispatch = self.load.in_flight + 1
         self.state = "prefill"
         self.load.prefill_tokens += self.tokens
         self.load.prefilling += 1
@@ -171,16 +224,33 @@ class Ticket:
         self.state = "done"
         self.ctrl.learn(self, ctx, decoding_end)
         self.ctrl.release_shared(self)
+        if self.reservation is not None:
+            used = ((ctx.prompt_tokens or 0) + (ctx.completion_tokens or 0)
+                    if ctx.prompt_tokens is not None or ctx.completion_tokens is not None
+                    else None)
+            if ctx.outcome != OK and not ctx.t_sent:
+                self.ctrl.quotas.give_back(self.reservation)
+            else:
+                self.ctrl.quotas.finished(self.reservation, used)
         self.ctrl.wake()
 
 
 class Waiter:
-    __slots__ = ("key", "ctx", "family", "tokens", "body_bytes", "prefix", "future",
-                 "t_queued", "reason")
+    __slots__ = ("flow", "deadline", "seq", "priority", "model", "tenant", "policy", "ctx",
+                 "family", "tokens", "body_bytes", "prefix", "future", "t_queued", "reason",
+                 "in_queue")
 
-    def __init__(self, key: tuple[int, int, int], ctx: Exchange, family: str, tokens: float,
+    def __init__(self, flow: tuple[str, str], deadline: int, seq: int, priority: int,
+                 model: str, policy: TenantPolicy, ctx: Exchange, family: str, tokens: float,
                  body_bytes: int, prefix: bytes | None, t_queued: int) -> None:
-        self.key = key
+        self.flow = flow  # (tenant, SLO class)
+        self.deadline = deadline  # its TTFT deadline (monotonic ns)
+        self.seq = seq
+        self.priority = priority
+        self.model = model
+        self.tenant = flow[0]
+        self.policy = policy
+        self.in_queue = True
         self.ctx = ctx
         self.family = family
         self.tokens = tokens
@@ -191,7 +261,7 @@ class Waiter:
         self.reason = ""
 
     def __lt__(self, other: Waiter) -> bool:
-        return self.key < other.key
+        return (self.deadline, self.seq) < (other.deadline, other.seq)
 
 
 class AdmissionController:
@@ -205,13 +275,21 @@ class AdmissionController:
         self.loads: dict[str, ReplicaLoad] = {}
         for r in router.replicas:
             self.load_of(r)
-        self.queue: list[Waiter] = []
+        self.fair = FairQueue()
+        self.depth: Counter[str] = Counter()  # waiters by SLO class
         self.queued_tokens = 0.0
+        self.calibration = TokenCalibration()
+        self.quotas = TenantQuotas(shared, cfg.redis_share, clock=lambda: self.clock() / 1e9)
         self._seq = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
         self._waking = False
         self._drain_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def queue(self) -> list[Waiter]:
+        """The waiters, in fair order (for the console and shared state; a copy)."""
+        return list(self.fair.order())
 
     def start(self) -> None:
         """Background work: scraping engines' own load when configured."""
@@ -233,56 +311,121 @@ class AdmissionController:
         load = self.loads.get(replica.name)
         if load is None:
             cap = replica.cfg.max_concurrency or self.cfg.max_concurrency
+            adaptive = (AdaptiveLimit(self.cfg.adaptive_initial, self.cfg.adaptive_min, cap,
+                                      self.cfg.adaptive_tolerance)
+                        if self.cfg.adaptive_concurrency else None)
             load = self.loads[replica.name] = ReplicaLoad(
-                replica, ReplicaEstimator(self.cfg.forgetting), cap)
+                replica, ReplicaEstimator(self.cfg.forgetting), cap, adaptive)
         return load
 
     # -- the decision ------------------------------------------------------------------------
 
-    async def admit(self, ctx: Exchange, family: str, body_bytes: int,
-                    prefix: bytes | None) -> Ticket:
-        loads = [self.load_of(r) for r in self.router.replicas_for(ctx.model or "", family)]
-        if not loads:
+    def _loads_for(self, ctx: Exchange, family: str,
+                   models: Sequence[str]) -> tuple[str, list[ReplicaLoad]]:
+        """The model to admit against: the requested one, else the first fallback the key may
+        use that has an available replica. 404 when nothing serves the model; 503
+        no_healthy_backend (with the breakers' Retry-After) when nothing is available."""
+        chain = list(models) or [ctx.model or ""]
+        first: list[ReplicaLoad] | None = None
+        for model in chain:
+            loads = [self.load_of(r) for r in self.router.replicas_for(model, family)]
+            if first is None:
+                first = loads
+            if any(load.replica.available() for load in loads):
+                return model, loads
+        if not first:
             raise GatewayError(404, f"The model '{ctx.model}' does not exist or is not served "
                                "by this gateway.", "model_not_found", param="model")
-        tokens = body_bytes * (sum(load.est.tokens_per_byte for load in loads) / len(loads))
-        if self._higher_priority_waiting(ctx.slo.cls.priority):
-            # Capacity that frees goes to the more important requests already waiting.
-            ticket, why_not = None, "priority_wait"
+        waits = [r.breaker.retry_after_s() for m in chain
+                 for r in self.router.replicas_for(m, family) if hasattr(r, "breaker")]
+        wait = min(waits, default=1.0)
+        self._decided(ctx, REJECTED, "no_healthy_backend")
+        raise GatewayError(503, f"No healthy backend for the model '{ctx.model}' right now.",
+                           "no_healthy_backend", outcome="upstream_error",
+                           headers={"Retry-After": str(max(1, math.ceil(wait)))})
+
+    async def admit(self, ctx: Exchange, family: str, body_bytes: int,
+                    prefix: bytes | None, models: Sequence[str] = (),
+                    output_tokens: int | None = None) -> Ticket:
+        """Admit (a Ticket), queue, or refuse (GatewayError / RateLimited). `models`: the
+        requested model and the fallbacks its key may use, in order."""
+        model, loads = self._loads_for(ctx, family, models)
+        tenant = ctx.tenant_label
+        policy: TenantPolicy = ctx.policy or OPEN_POLICY
+        tokens = body_bytes * self.calibration.ratio(tenant)
+        try:
+            res = await self.quotas.reserve(
+                tenant, policy, tokens + (output_tokens or DEFAULT_OUTPUT_TOKENS))
+        except RateLimited as e:
+            self._decided(ctx, REJECTED, e.code)
+            self.metrics.tenants.shed(tenant, e.code)
+            raise
+        try:
+            ticket = await self._admit(ctx, family, model, loads, tenant, policy, tokens,
+                                       body_bytes, prefix, res)
+        except BaseException:
+            self.quotas.give_back(res)
+            raise
+        ticket.reservation = res
+        self.quotas.started(res)
+        self.metrics.tenants.quota_usage(tenant, self.quotas.usage(tenant, policy))
+        return ticket
+
+    async def _admit(self, ctx: Exchange, family: str, model: str, loads: list[ReplicaLoad],
+                     tenant: str, policy: TenantPolicy, tokens: float, body_bytes: int,
+                     prefix: bytes | None, res: Reservation) -> Ticket:
+        slo = ctx.slo
+        if len(self.fair):
+            # Others are waiting: capacity that frees goes to the flow whose turn it is.
+            ticket = None
+            why_not = ("priority_wait" if self._higher_priority_waiting(slo.cls.priority)
+                       else "fair_wait")
         else:
-            ticket, why_not = await self._try(ctx, loads, tokens, body_bytes, prefix)
+            ticket, why_not = await self._try(ctx, loads, tokens, body_bytes, prefix, model)
         if ticket is not None:
             self._decided(ctx, ADMITTED, "predicted_ok")
+            self.fair.admitted_directly(slo.name)
             return ticket
-        ticket = self._probe(ctx, loads, tokens, body_bytes)
+        ticket = self._probe(ctx, loads, tokens, body_bytes, model)
         if ticket is not None:
             self._decided(ctx, ADMITTED, "probe")
+            self.fair.admitted_directly(slo.name)
             return ticket
         self._check_feasible(ctx, loads, tokens, why_not)
-        if len(self.queue) >= self.cfg.max_queue or \
+        flow = (tenant, slo.name)
+        weight = policy.weight * slo.cls.weight
+        if len(self.fair) >= self.cfg.max_queue or \
                 self.queued_tokens + tokens > self.cfg.max_queue_tokens:
-            self._reject(ctx, "queue_full", self._retry_after_s(loads))
-        slo = ctx.slo
+            victim = self.fair.victim(flow, weight)
+            if victim is None:
+                self._reject(ctx, SHED_QUEUE_FULL, self._retry_after_s(loads))
+            else:
+                self._shed(victim, SHED_QUEUE_FULL, self._retry_after_s(loads))
+        self.quotas.may_queue(res)
         deadline = ctx.t_received + int(slo.ttft_ms * 1e6)
-        waiter = Waiter((-slo.cls.priority, deadline, next(self._seq)), ctx, family, tokens,
-                        body_bytes, prefix, self.clock())
-        heapq.heappush(self.queue, waiter)
+        waiter = Waiter(flow, deadline, next(self._seq), slo.cls.priority, model, policy, ctx,
+                        family, tokens, body_bytes, prefix, self.clock())
+        self.fair.push(waiter, weight, slo.cls.min_share)
+        self.depth[slo.name] += 1
+        self.quotas.queue_enter(tenant)
         self.queued_tokens += tokens
         self._decided(ctx, QUEUED, why_not)
         self._set_depth(slo.name)
         self._arm_timer()
+        self.wake()
         try:
             ticket = await waiter.future
         finally:
             if not waiter.future.done():  # cancelled (the client left) while queued
                 waiter.future.cancel()
-            self._remove(waiter)
+            self._take_out(waiter)
             # the wait (telemetry/durations.py ADMISSION_WAIT) is recorded in finish
             ctx.t_queued, ctx.t_admitted = waiter.t_queued, self.clock()
         return ticket
 
     async def _try(self, ctx: Exchange, loads: list[ReplicaLoad], tokens: float,
-                   body_bytes: int, prefix: bytes | None) -> tuple[Ticket | None, str]:
+                   body_bytes: int, prefix: bytes | None,
+                   model: str = "") -> tuple[Ticket | None, str]:
         """Admit now if a replica can meet both targets; else (None, why)."""
         slo = ctx.slo
         waited_s = (self.clock() - ctx.t_received) / 1e9
@@ -293,7 +436,7 @@ class AdmissionController:
         for load in loads:
             if not load.replica.available():
                 continue
-            if load.in_flight >= load.cap:
+            if load.in_flight >= load.limit():
                 why = "concurrency_cap"
                 continue
             est = load.est
@@ -310,9 +453,11 @@ class AdmissionController:
         while ok:
             load, pred = self._choose(ok, prefix)
             # Reserve before awaiting the global slot, so requests arriving meanwhile see this
-            # one's load in their predictions.
-            ticket = Ticket(self, load, tokens, body_bytes, tpot_target, pred,
-                            self.shared is not None)
+            # one's load in their predictions. The replica-wide TPOT gate takes the class's
+            # configured target, never the request's own.
+            ticket = Ticket(self, load, tokens, body_bytes, slo.cls.tpot_ms / 1e3, pred,
+                            self.shared is not None, model or (ctx.model or ""),
+                            ctx.tenant_label)
             if self.shared is not None and not await self.shared.try_acquire(load.replica.name,
                                                                              load.cap):
                 ticket.withdraw()
@@ -331,7 +476,7 @@ class AdmissionController:
         return ahead
 
     def _probe(self, ctx: Exchange, loads: list[ReplicaLoad], tokens: float,
-               body_bytes: int) -> Ticket | None:
+               body_bytes: int, model: str = "") -> Ticket | None:
         """An idle replica that the model calls too slow: send one request anyway, at most
         once per PROBE_INTERVAL_S per replica. Rejected requests teach the estimator nothing,
         so a stale model would otherwise never learn the engine got faster again."""
@@ -340,22 +485,23 @@ class AdmissionController:
         now = self.clock() / 1e9
         for load in loads:
             if (load.in_flight == 0 and load.engine_waiting == 0 and load.replica.available()
-                    and now - load.last_probe >= PROBE_INTERVAL_S and not self.queue):
+                    and now - load.last_probe >= PROBE_INTERVAL_S and not len(self.fair)):
                 load.last_probe = now
                 est = load.est
-                return Ticket(self, load, tokens, body_bytes, ctx.slo.tpot_ms / 1e3,
-                              est.predict_ttft(tokens, 0.0), False)
+                return Ticket(self, load, tokens, body_bytes, ctx.slo.cls.tpot_ms / 1e3,
+                              est.predict_ttft(tokens, 0.0), False, model or (ctx.model or ""),
+                              ctx.tenant_label)
         return None
 
     def _urgent(self, waiter: Waiter) -> bool:
         """Near its deadline: strict priority would starve lower bands under sustained
         overload, so their last chance comes before the more important ones' next."""
         slo = waiter.ctx.slo
-        left_s = (waiter.key[1] - self.clock()) / 1e9
+        left_s = (waiter.deadline - self.clock()) / 1e9
         return bool(left_s < URGENT * slo.ttft_ms / 1e3)
 
     def _higher_priority_waiting(self, priority: int) -> bool:
-        return any(w.key[0] < -priority and not w.future.done() for w in self.queue)
+        return self.fair.waiting_above(priority)
 
     def _choose(self, ok: list[tuple[float, ReplicaLoad]],
                 prefix: bytes | None) -> tuple[ReplicaLoad, float]:
@@ -370,24 +516,33 @@ class AdmissionController:
         pred, load = random.choice(near)
         return load, pred
 
-    def _best_case_s(self, loads: list[ReplicaLoad], tokens: float) -> float:
+    def _best_case_s(self, loads: list[ReplicaLoad], tokens: float,
+                     safety: float | None = None) -> float:
         """TTFT on the least loaded replica if the work queued ahead of it in the gateway went
-        first, plus the stated error: if even that misses, waiting cannot help."""
+        first, plus `safety` (default: the configured one) x the stated error: if even that
+        misses, waiting cannot help."""
+        k = self.cfg.safety if safety is None else safety
         out = math.inf
         for load in loads:
             if not load.replica.available():
                 continue
             est = load.est
             out = min(out, est.predict_ttft(self._ahead(load) + tokens, 0.0)
-                      + self.cfg.safety * est.ttft.stderr)
+                      + k * est.ttft.stderr)
         return out
 
     def _check_feasible(self, ctx: Exchange, loads: list[ReplicaLoad], tokens: float,
-                        why: str, ahead_tokens: float = 0.0) -> None:
+                        why: str, ahead_tokens: float = 0.0, wait_s: float = 0.0) -> None:
+        """Reject now (429 ttft_infeasible) if even the best case misses the TTFT deadline:
+        the work ahead of it prefilled first, after `wait_s` for its turn at a slot."""
         budget = ctx.slo.ttft_ms / 1e3 - (self.clock() - ctx.t_received) / 1e9
         per_replica_ahead = ahead_tokens / max(1, len(loads))
-        if self._best_case_s(loads, tokens + per_replica_ahead) > budget:
-            self._reject(ctx, "ttft_infeasible", self._retry_after_s(loads))
+        # The stated error pads the best case; the wait for a turn is added to the point
+        # prediction only (padding both would shed requests that would have made it).
+        if (self._best_case_s(loads, tokens + per_replica_ahead) > budget
+                or (wait_s and self._best_case_s(loads, tokens + per_replica_ahead, 0.0)
+                    + wait_s > budget)):
+            self._reject(ctx, SHED_TTFT_INFEASIBLE, self._retry_after_s(loads))
 
     def _retry_after_s(self, loads: list[ReplicaLoad]) -> float:
         """When a request like this could be admitted: the time for the prefill work (ours in
@@ -395,18 +550,28 @@ class AdmissionController:
         avail = [load for load in loads if load.replica.available()] or loads
         drain = min(load.est.predict_ttft(load.work_ahead() + self.queued_tokens / len(avail),
                                           load.decoding_now(),
-                                          load.requests_ahead() + len(self.queue) / len(avail))
+                                          load.requests_ahead() + len(self.fair) / len(avail))
                     for load in avail)
         return max(1.0, drain)
 
-    def _reject(self, ctx: Exchange, reason: str, retry_after_s: float) -> None:
+    def _refusal(self, ctx: Exchange, reason: str, retry_after_s: float) -> GatewayError:
         self._decided(ctx, REJECTED, reason)
-        raise GatewayError(429, f"Request not admitted ({reason}): its SLO class "
-                           f"'{ctx.slo.name}' (TTFT {ctx.slo.ttft_ms:g} ms, TPOT "
-                           f"{ctx.slo.tpot_ms:g} ms) cannot be met now; retry later.",
-                           f"slo_{reason}", outcome="rejected",
-                           headers={"Retry-After": str(math.ceil(retry_after_s)),
-                                    "x-slogate-admission": reason})
+        self.metrics.tenants.shed(ctx.tenant_label, reason)
+        return GatewayError(429, f"Request not admitted ({reason}): its SLO class "
+                            f"'{ctx.slo.name}' (TTFT {ctx.slo.ttft_ms:g} ms, TPOT "
+                            f"{ctx.slo.tpot_ms:g} ms) cannot be met now; retry later.",
+                            f"slo_{reason}", outcome="rejected",
+                            headers={"Retry-After": str(math.ceil(retry_after_s)),
+                                     "x-slogate-admission": reason})
+
+    def _reject(self, ctx: Exchange, reason: str, retry_after_s: float) -> None:
+        raise self._refusal(ctx, reason, retry_after_s)
+
+    def _shed(self, waiter: Waiter, reason: str, retry_after_s: float) -> None:
+        """Refuse a waiter (its admit() raises) and take it out of the queue now."""
+        if not waiter.future.done():
+            waiter.future.set_exception(self._refusal(waiter.ctx, reason, retry_after_s))
+        self._take_out(waiter)
 
     def _decided(self, ctx: Exchange, decision: str, reason: str) -> None:
         ctx.admission = (decision, reason)
@@ -415,23 +580,26 @@ class AdmissionController:
 
     # -- the queue ---------------------------------------------------------------------------
 
-    def _remove(self, waiter: Waiter) -> None:
-        try:
-            self.queue.remove(waiter)
-        except ValueError:
+    def _take_out(self, waiter: Waiter, dispatched: bool = False) -> None:
+        if not waiter.in_queue:
             return
-        heapq.heapify(self.queue)
+        waiter.in_queue = False
+        if dispatched:
+            self.fair.dispatched(waiter)
+        else:
+            self.fair.remove(waiter)
         self.queued_tokens -= waiter.tokens
+        self.quotas.queue_leave(waiter.tenant)
+        self.depth[waiter.ctx.slo.name] -= 1
         self._set_depth(waiter.ctx.slo.name)
 
     def _set_depth(self, slo_class: str) -> None:
-        n = sum(1 for w in self.queue if w.ctx.slo.name == slo_class)
-        self.metrics.queue_depth.labels(slo_class).set(n)
-        self.metrics.queued.set(len(self.queue))
+        self.metrics.queue_depth.labels(slo_class).set(self.depth[slo_class])
+        self.metrics.queued.set(len(self.fair))
 
     def wake(self) -> None:
         """Capacity changed: let the queue move (in a task: callers are on the hot path)."""
-        if self.queue and not self._waking:
+        if len(self.fair) and not self._waking:
             self._waking = True
             asyncio.get_running_loop().call_soon(self._start_drain)
 
@@ -439,7 +607,7 @@ class AdmissionController:
         self._drain_task = asyncio.ensure_future(self._drain())  # kept: to cancel it on close
 
     def _arm_timer(self) -> None:
-        if self._timer is None and self.queue:
+        if self._timer is None and len(self.fair):
             self._timer = asyncio.get_running_loop().call_later(0.05, self._tick)
 
     def _tick(self) -> None:
@@ -448,38 +616,61 @@ class AdmissionController:
         self._arm_timer()
 
     async def _drain(self) -> None:
-        """Admit queued requests in priority/deadline order where they now fit; reject those
-        whose TTFT is out of reach."""
+        """Admit queued requests in fair order where they now fit; reject those whose TTFT is
+        out of reach. The first waiter that must wait holds back the ones after it on the same
+        model (unless they are in the last quarter of their TTFT budget), so the next free
+        capacity is its; a tenant at its in-flight quota waits without holding anyone."""
         try:
-            ahead = 0.0
-            blocked: int | None = None  # the priority band of the first waiter left waiting
-            for waiter in sorted(self.queue):
-                if waiter.future.done():
+            ahead: dict[str, float] = {}
+            waiting: dict[str, int] = {}  # waiters left waiting ahead, per model
+            blocked: set[str] = set()  # models whose turn-holder is waiting
+            for waiter in list(self.fair.order()):
+                if waiter.future.done() or not waiter.in_queue:
+                    continue
+                if self.quotas.at_in_flight_quota(waiter.tenant, waiter.policy):
                     continue
                 ctx = waiter.ctx
-                loads = [self.load_of(r) for r in
-                         self.router.replicas_for(ctx.model or "", waiter.family)]
-                if blocked is not None and waiter.key[0] > blocked and not self._urgent(waiter):
-                    ticket, why = None, "priority_wait"  # a more important one waits first
+                try:
+                    model, loads = self._loads_for(ctx, waiter.family,
+                                                   [waiter.model, ctx.model or ""])
+                except GatewayError as e:
+                    waiter.future.set_exception(e)
+                    self._take_out(waiter)
+                    continue
+                if model in blocked and not self._urgent(waiter):
+                    ticket, why = None, "fair_wait"
                 else:
                     ticket, why = await self._try(ctx, loads, waiter.tokens, waiter.body_bytes,
-                                                  waiter.prefix)
+                                                  waiter.prefix, model)
                 if ticket is not None:
                     self._decided(ctx, ADMITTED, "after_queue")
+                    self._take_out(waiter, dispatched=True)
                     if waiter.future.done():  # cancelled meanwhile
                         ticket.finish(ctx)
                     else:
                         waiter.future.set_result(ticket)
                     continue
+                # Its turn at a slot comes after those left waiting ahead of it, at the rate
+                # slots free: a waiter that cannot make its deadline is told now (with
+                # Retry-After), not when the deadline has passed. Under overload that sheds the
+                # back of each flow, and the flows over their share have the longest backs.
+                wait_s = 0.0
+                if why in ("concurrency_cap", "fair_wait", "priority_wait"):
+                    rates = [r for load in loads if load.replica.available()
+                             and (r := load.service_rate()) is not None]
+                    if rates:
+                        wait_s = (waiting.get(model, 0) + 1) / sum(rates)
                 try:
-                    self._check_feasible(ctx, loads, waiter.tokens, why, ahead)
+                    self._check_feasible(ctx, loads, waiter.tokens, why, ahead.get(model, 0.0),
+                                         wait_s)
                 except GatewayError as e:
                     if not waiter.future.done():
                         waiter.future.set_exception(e)
+                    self._take_out(waiter)
                     continue
-                ahead += waiter.tokens
-                if blocked is None:
-                    blocked = waiter.key[0]
+                ahead[model] = ahead.get(model, 0.0) + waiter.tokens
+                waiting[model] = waiting.get(model, 0) + 1
+                blocked.add(model)
         finally:
             self._waking = False
 
@@ -488,9 +679,14 @@ class AdmissionController:
     def learn(self, ticket: Ticket, ctx: Exchange, decoding_end: float) -> None:
         if ctx.outcome != OK or not ctx.t_sent:
             return
+        load = ticket.load
+        hold = (self.clock() - ticket.t_start) / 1e9
+        load.hold_s = hold if not load.holds else load.hold_s + 0.1 * (hold - load.hold_s)
+        load.holds += 1
         est = ticket.load.est
         if ctx.prompt_tokens:
             est.observe_prompt(ticket.body_bytes, ctx.prompt_tokens)
+            self.calibration.observe(ticket.tenant, ticket.body_bytes, ctx.prompt_tokens)
         if ctx.provider_queue_s is not None:
             est.observe_provider_queue(ctx.provider_queue_s)
         if ctx.stream and ctx.t_first_token:
@@ -512,10 +708,16 @@ class AdmissionController:
             self.shared.release(ticket.replica.name)
 
     def snapshot(self) -> dict[str, Any]:
+        waiting = self.queue
         return {
             "enabled": True,
-            "queue": {"requests": len(self.queue), "estimated_tokens": round(self.queued_tokens),
-                      "by_class": dict(Counter(w.ctx.slo.name for w in self.queue))},
+            "queue": {"requests": len(waiting), "estimated_tokens": round(self.queued_tokens),
+                      "by_class": dict(Counter(w.ctx.slo.name for w in waiting)),
+                      "by_tenant": dict(Counter(w.tenant for w in waiting)),
+                      "fair": self.fair.snapshot()},
+            "tenants": {"tokens_per_byte": self.calibration.snapshot(),
+                        "in_flight": dict(self.quotas.in_flight),
+                        "queued": dict(self.quotas.queued)},
             "replicas": {name: load.snapshot() for name, load in self.loads.items()},
             "shared": self.shared.snapshot() if self.shared is not None else None,
             "time": time.time(),

@@ -9,14 +9,62 @@ with the batch; and once its batch is full, a request waits for a slot, which gr
 requests queued ahead of it. TPOT is a + b * D.
 
 Both are recursive least squares with a forgetting factor, so they follow a backend that gets
-faster or slower. Prompt tokens are estimated from request bytes with a per-backend ratio
-calibrated against reported usage.prompt_tokens.
+faster or slower. Prompt tokens are estimated from request bytes with a ratio calibrated
+against reported usage.prompt_tokens: per tenant, robust and bounded (`TokenCalibration`).
 """
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
+
+RATIO_MIN, RATIO_MAX = 0.005, 1.0  # tokens per request byte: the bounds any estimate keeps
+RATIO_PRIOR = 0.25
+RATIO_WINDOW = 32
+RATIO_MIN_SAMPLES = 4
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
+class TokenCalibration:
+    """Request bytes -> prompt tokens, learned from reported usage, one ratio per tenant.
+
+    A tenant's ratio is the median of its last RATIO_WINDOW observed ratios, each clamped to
+    [RATIO_MIN, RATIO_MAX]: one odd prompt moves nothing, and a tenant must change most of its
+    recent traffic to move its own estimate, never another tenant's. A tenant with fewer than
+    RATIO_MIN_SAMPLES observations uses the median of the other tenants' ratios (one vote per
+    tenant), else the prior. Memory is bounded: tenants are the configured ones plus `other`."""
+
+    def __init__(self, prior: float = RATIO_PRIOR) -> None:
+        self.prior = prior
+        self.windows: dict[str, deque[float]] = {}
+        self._ratio: dict[str, float] = {}
+
+    def observe(self, tenant: str, body_bytes: int, prompt_tokens: int) -> None:
+        if body_bytes <= 0 or prompt_tokens <= 0:
+            return
+        w = self.windows.get(tenant)
+        if w is None:
+            w = self.windows[tenant] = deque(maxlen=RATIO_WINDOW)
+        w.append(min(RATIO_MAX, max(RATIO_MIN, prompt_tokens / body_bytes)))
+        if len(w) >= RATIO_MIN_SAMPLES:
+            self._ratio[tenant] = _median(w)
+
+    def ratio(self, tenant: str) -> float:
+        own = self._ratio.get(tenant)
+        if own is not None:
+            return own
+        if self._ratio:
+            return _median(list(self._ratio.values()))
+        return self.prior
+
+    def snapshot(self) -> dict[str, float]:
+        return {t: round(r, 5) for t, r in self._ratio.items()}
 
 
 class RLS:
@@ -48,10 +96,17 @@ class RLS:
         k = [v / denom for v in Px]
         err = y - self.predict(x)
         self.theta = [t + ki * err for t, ki in zip(self.theta, k, strict=True)]
-        for i in self.nonneg:
-            if self.theta[i] < 0:
-                self.theta[i] = 0.0
         self.P = [[(P[i][j] - k[i] * Px[j]) / self.lam for j in range(n)] for i in range(n)]
+        for i in self.nonneg:
+            if self.theta[i] < 0 and self.P[i][i] > 0:
+                # Project onto theta_i = 0 in the metric of the information matrix (the
+                # constrained least-squares estimate): the correlated coefficients move with
+                # it. Clamping theta_i alone let the intercept run away when the data barely
+                # varies a feature (a concurrency limit holds the batch steady): each update's
+                # gain then raised the intercept while the slope was pushed below zero.
+                c = self.theta[i] / self.P[i][i]
+                self.theta = [t - c * self.P[j][i] for j, t in enumerate(self.theta)]
+                self.theta[i] = 0.0
         # Forgetting inflates P in directions the data does not excite (D stays 0, say);
         # bound it so one odd observation cannot swing θ wildly ("covariance wind-up").
         trace = sum(self.P[i][i] for i in range(n))
@@ -72,7 +127,8 @@ class ReplicaEstimator:
         # Priors for an unknown engine: 50 ms base, 1 s per 1k prompt tokens, 20 ms TPOT.
         self.ttft = RLS([0.05, 0.2, 0.0, 0.0], lam, nonneg=(1, 2, 3))
         self.tpot = RLS([0.02, 0.001], lam, nonneg=(1,))
-        self.tokens_per_byte = 0.25
+        self.tokens_per_byte = RATIO_PRIOR
+        self._ratios: deque[float] = deque(maxlen=RATIO_WINDOW)
         self.provider_queue_s = 0.0  # EWMA of provider-reported queue time (hosted APIs)
 
     @staticmethod
@@ -101,8 +157,11 @@ class ReplicaEstimator:
         self.tpot.update([1.0, decoding], seconds)
 
     def observe_prompt(self, body_bytes: int, prompt_tokens: int) -> None:
+        """The replica's own ratio (shown in /admin/admission): the same robust median."""
         if body_bytes > 0 and prompt_tokens > 0:
-            self.tokens_per_byte += 0.1 * (prompt_tokens / body_bytes - self.tokens_per_byte)
+            self._ratios.append(min(RATIO_MAX, max(RATIO_MIN, prompt_tokens / body_bytes)))
+            if len(self._ratios) >= RATIO_MIN_SAMPLES:
+                self.tokens_per_byte = _median(self._ratios)
 
     def observe_provider_queue(self, seconds: float) -> None:
         self.provider_queue_s += 0.2 * (seconds - self.provider_queue_s)

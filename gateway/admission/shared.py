@@ -124,6 +124,26 @@ for i = 2, #KEYS do redis.call('HDEL', KEYS[i], ARGV[1]) end
 return 1
 """
 
+# KEYS[1] a tenant quota's bucket. ARGV: capacity, cost, force (1: apply even if short: a
+# settlement or a refund). Refilled at capacity per minute from Redis's own clock, so every
+# gateway sees the same bucket. Returns {1 if taken else 0, what is left (as a string)}.
+BUCKET_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local cap = tonumber(ARGV[1])
+local cost = tonumber(ARGV[2])
+local b = redis.call('HMGET', KEYS[1], 'v', 't')
+local v = tonumber(b[1]) or cap
+local last = tonumber(b[2]) or now
+v = math.min(cap, v + (now - last) * cap / 60000)
+local ok = 1
+if ARGV[3] ~= '1' and cost > 0 and v < cost then ok = 0 else v = math.min(cap, v - cost) end
+redis.call('HSET', KEYS[1], 'v', tostring(v), 't', tostring(now))
+redis.call('PEXPIRE', KEYS[1], 120000)
+return {ok, tostring(v)}
+"""
+QUOTA_PREFIX = PREFIX + "quota:"
+
 _FAILURES = (RedisError, OSError, asyncio.TimeoutError)
 MAX_CALLS = 8  # Redis calls in flight per gateway (the rest wait their turn, untimed)
 
@@ -188,6 +208,7 @@ class SharedState:
         self._resync = self.r.register_script(RESYNC_LUA)
         self._work = self.r.register_script(WORK_LUA)
         self._leave = self.r.register_script(LEAVE_LUA)
+        self._bucket = self.r.register_script(BUCKET_LUA)
         self._set_gauge()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -301,6 +322,30 @@ class SharedState:
         self.local[dst] = self.local.get(dst, 0) + 1
         if self.state == REDIS and not self._closing:
             self._spawn(self._force_acquire(dst, self.epoch))
+
+    def shared_now(self) -> bool:
+        return self.state == REDIS and not self._closing
+
+    def spawn(self, coro: Any) -> None:
+        """Run a Redis update in the background (kept until done, awaited on close)."""
+        self._spawn(coro)
+
+    async def bucket(self, name: str, capacity: int, cost: float,
+                     force: bool) -> tuple[bool, float] | None:
+        """Take `cost` from the global quota bucket `name` (a tenant's requests or tokens per
+        minute); None when Redis is not in use (the caller falls back to its local share)."""
+        if self.state != REDIS:
+            return None
+        epoch = self.epoch
+        try:
+            ok, left = await self._call(self._bucket, keys=[QUOTA_PREFIX + name],
+                                        args=[capacity, cost, 1 if force else 0], epoch=epoch)
+        except _Stale:
+            return None
+        except _FAILURES as e:
+            self._lost(e, epoch)
+            return None
+        return bool(int(ok)), float(_s(left))
 
     def remote_prefill_tokens(self, backend: str) -> float:
         """Prompt tokens other gateways have admitted to `backend` and not yet seen a first

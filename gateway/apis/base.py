@@ -26,6 +26,7 @@ import orjson
 if TYPE_CHECKING:
     from aiohttp import web
 
+    from gateway.errors import RateLimits
     from gateway.sse import SSEEvent
 
 
@@ -118,6 +119,20 @@ class Api(ABC):
         """What identifies the prompt's shared prefix (for replica affinity), or None."""
         return None
 
+    def rate_limit_headers(self, limits: RateLimits) -> dict[str, str]:
+        """A tenant's quotas in the headers this API's SDKs read (OpenAI's x-ratelimit-*
+        here; Messages overrides with anthropic-ratelimit-*)."""
+        out: dict[str, str] = {}
+        for kind, limit, remaining, reset in (
+                ("requests", limits.requests_limit, limits.requests_remaining,
+                 limits.requests_reset_s),
+                ("tokens", limits.tokens_limit, limits.tokens_remaining, limits.tokens_reset_s)):
+            if limit:
+                out[f"x-ratelimit-limit-{kind}"] = str(limit)
+                out[f"x-ratelimit-remaining-{kind}"] = str(max(0, remaining))
+                out[f"x-ratelimit-reset-{kind}"] = _duration(reset)
+        return out
+
     def output_text(self, event: SSEEvent) -> str | None:
         """The model text in one event, for opt-in content capture only (never on the hot
         path unless the operator asked for it)."""
@@ -147,6 +162,14 @@ class Provider:
         if self.auth_header.lower() == "authorization":
             return {"Authorization": f"Bearer {api_key}"}
         return {self.auth_header: api_key}
+
+
+def _duration(seconds: float) -> str:
+    """OpenAI's reset format: "1s", "6m0s", "1m30.5s"."""
+    seconds = max(0.0, seconds)
+    minutes, rest = divmod(seconds, 60.0)
+    text = f"{rest:.3f}".rstrip("0").rstrip(".") + "s"
+    return f"{int(minutes)}m{text}" if minutes else text
 
 
 def bounded(value: Any, limit: int = 64) -> str:

@@ -7,6 +7,8 @@ with `message_stop`, or with an `error` event.
 """
 from __future__ import annotations
 
+import time
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -25,6 +27,7 @@ from gateway.apis.base import (
 )
 
 if TYPE_CHECKING:
+    from gateway.errors import RateLimits
     from gateway.sse import SSEEvent
 
 API_VERSION = "2023-06-01"  # what the SDKs send; the API refuses requests without a version
@@ -153,6 +156,22 @@ class Messages(Api):
     def error_body(self, status: int, message: str, code: str | None = None,
                    param: str | None = None) -> bytes:
         return error_body(status, message, code, param)
+
+    def rate_limit_headers(self, limits: RateLimits) -> dict[str, str]:
+        """Anthropic's anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset} (reset as
+        an RFC 3339 time), what its SDK and clients read."""
+        out: dict[str, str] = {}
+        now = time.time()
+        for kind, limit, remaining, reset in (
+                ("requests", limits.requests_limit, limits.requests_remaining,
+                 limits.requests_reset_s),
+                ("tokens", limits.tokens_limit, limits.tokens_remaining, limits.tokens_reset_s)):
+            if limit:
+                at = datetime.fromtimestamp(now + reset, tz=UTC).replace(microsecond=0)
+                out[f"anthropic-ratelimit-{kind}-limit"] = str(limit)
+                out[f"anthropic-ratelimit-{kind}-remaining"] = str(max(0, remaining))
+                out[f"anthropic-ratelimit-{kind}-reset"] = at.isoformat().replace("+00:00", "Z")
+        return out
 
     def stream_error_event(self, message: str, code: str, events_seen: int) -> bytes:
         """`event: error` (§2.4): the SDK raises on it."""

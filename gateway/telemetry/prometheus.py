@@ -1,7 +1,8 @@
 """Prometheus metrics (`GET /metrics`), names prefixed `slogate_`, in seconds.
 
 Labels are bounded: backend, model (configured names; anything else is `other`), route,
-slo_class, outcome / verdict / reason / phase / kind. Never a request id, key or tenant.
+slo_class, outcome / verdict / reason / phase / kind. Never a request id or a key; tenants only
+in telemetry/tenants.py's series (configured tenants + `other`).
 
 Histograms are our own small implementation so a request's inter-token gaps can be added in one
 pass at the end of the request (prometheus_client's Histogram takes a lock per observation);
@@ -24,6 +25,7 @@ from gateway import limits
 from gateway.exchange import Exchange
 from gateway.telemetry import durations as D
 from gateway.telemetry.attribution import cache_bucket, prompt_bucket
+from gateway.telemetry.tenants import TenantMetrics
 
 # TTFT / E2E reach 600 s (reasoning models think for minutes); fine enough at the low end for
 # hosted fast engines.
@@ -98,7 +100,7 @@ class Metrics:
     """Every Prometheus metric of one gateway, in its own registry."""
 
     def __init__(self, slo_thresholds_s: Iterable[float] = (), slo_classes: Iterable[str] = (),
-                 backend_names: Iterable[str] = ()) -> None:
+                 backend_names: Iterable[str] = (), tenants: Iterable[str] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, RSS, fds
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
@@ -222,6 +224,7 @@ class Metrics:
             self.limits_exceeded.labels(name)
         for name in limits.CONNECTION_REASONS:
             self.connections_rejected.labels(name)
+        self.tenants = TenantMetrics(self.registry, tenants)  # telemetry/tenants.py
         for cls in slo_classes:
             self.queue_depth.labels(cls).set(0)
         for name in backend_names:

@@ -1,0 +1,116 @@
+"""An adaptive concurrency limit per replica: how many requests the engine can usefully run at
+once, learned from the upstream TTFT of the gateway's own requests.
+
+Fairness and priority only work while requests wait where they can be ordered: in the
+gateway's queue, not in the engine's. A continuous-batching engine that is handed more than
+its batch parks the surplus in its own FIFO, where a request waits for a running one to finish
+(seconds) instead of one decode step (milliseconds), so the TTFT of the surplus jumps by an
+order of magnitude. That jump is the signal, as in Envoy's adaptive_concurrency filter
+(gradient = minRTT / sampleRTT) and Netflix concurrency-limits (Gradient2, AIMD):
+
+- each request gives one sample at its first token: its TTFT since dispatch less its own
+  prefill estimate (so long prompts are not mistaken for queueing); at the first token, not at
+  the end, so the limit hears about engine queueing one TTFT later, not one whole answer later;
+- the baseline is the 10th percentile of the last WINDOW samples (the unqueued ones: it does
+  not drift up while a surplus queues); a sample is *slow* when it exceeds both `tolerance` x
+  the median and baseline + `floor_s` (prefill interleaving and jitter are not queueing; a
+  request parked behind a full batch waits for a running one to finish: seconds);
+- a slow sample sent with N requests on the replica brings the limit down to N - 1 at once
+  (the engine queued it: its batch is below N);
+- samples are judged in rounds of `limit` samples (one round trip's worth). Multiplicative
+  decrease: x BACKOFF after a round where more than SLOW_SHARE of the samples were slow (a
+  surplus parked in the engine; a rare outlier is not one), never below `min_limit`. Increase,
+  only while the limit binds (at least 80 % of it in use: an idle replica teaches nothing about
+  its capacity) and while the round has seen no slow sample: +1 per sample until the first
+  decrease (slow start, as TCP), then +1 every two rounds (probing slowly above a limit that
+  has once been too high keeps the engine's queue short);
+- `max_limit` (`[admission] max_concurrency`, or the backend's own) is the upper bound; an
+  engine that publishes its batch size (`max_num_seqs`) through scraped metrics caps it too.
+
+Pure: the controller feeds samples; tests drive it without an engine.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+WINDOW = 256
+FLOOR_S = 0.25
+BACKOFF = 0.85
+SLOW_SHARE = 0.1
+
+
+class AdaptiveLimit:
+    __slots__ = ("limit", "min_limit", "max_limit", "tolerance", "samples", "round_n",
+                 "round_slow", "cuts", "engine_cap", "floor_s", "_base", "_median",
+                 "_base_age")
+
+    def __init__(self, initial: int, min_limit: int, max_limit: int, tolerance: float = 2.0,
+                 floor_s: float = FLOOR_S) -> None:
+        self.max_limit = max(1, max_limit)
+        self.min_limit = max(1, min(min_limit, self.max_limit))
+        self.limit = float(min(max(initial, self.min_limit), self.max_limit))
+        self.tolerance = tolerance
+        self.floor_s = floor_s
+        self.samples: deque[float] = deque(maxlen=WINDOW)
+        self.round_n = 0
+        self.round_slow = 0
+        self.cuts = 0
+        self._base: float | None = None
+        self._median = 0.0
+        self._base_age = 0
+        self.engine_cap: float | None = None
+
+    @property
+    def value(self) -> int:
+        """The limit now (whole requests)."""
+        cap = float(self.max_limit) if self.engine_cap is None else min(self.max_limit,
+                                                                         self.engine_cap)
+        return max(self.min_limit, int(min(self.limit, cap)))
+
+    def baseline(self) -> float | None:
+        """The 10th percentile of recent samples (recomputed every 16 samples)."""
+        if len(self.samples) < 8:
+            return None
+        if self._base is None or self._base_age >= 16:
+            ordered = sorted(self.samples)
+            self._base = ordered[len(ordered) // 10]
+            self._median = ordered[len(ordered) // 2]
+            self._base_age = 0
+        return self._base
+
+    def sample(self, queueing_s: float, in_flight: int) -> None:
+        """One finished request's upstream TTFT beyond its own prefill, with `in_flight`
+        requests on the replica when it was sent."""
+        base = self.baseline()
+        self.samples.append(max(0.0, queueing_s))
+        self._base_age += 1
+        slow = base is not None and queueing_s > max(self.tolerance * self._median,
+                                                     base + self.floor_s)
+        self.round_n += 1
+        if slow:
+            self.round_slow += 1
+            # It was sent with `in_flight` on the replica and still queued in the engine: the
+            # engine's batch is below that. Come down to it now (and end slow start), rather
+            # than a round of samples later.
+            if in_flight > self.min_limit and in_flight - 1 < self.limit:
+                self.limit = float(in_flight - 1)
+                self.cuts = max(self.cuts, 1)
+        elif in_flight >= 0.8 * self.value and not self.round_slow:
+            step = 1.0 if not self.cuts else 0.5 / max(1.0, self.limit)
+            self.limit = min(float(self.max_limit), self.limit + step)
+        if self.round_n >= max(4.0, self.limit):
+            if self.round_slow > SLOW_SHARE * self.round_n:
+                self.limit = max(float(self.min_limit), self.limit * BACKOFF)
+                self.cuts += 1
+            self.round_n = self.round_slow = 0
+
+    def engine_reports(self, max_running: float | None) -> None:
+        """The engine's own batch size, when its metrics publish one."""
+        self.engine_cap = max_running if max_running and max_running > 0 else None
+
+    def snapshot(self) -> dict[str, Any]:
+        base = self.baseline()
+        return {"limit": self.value, "max": self.max_limit, "min": self.min_limit,
+                "baseline_s": round(base, 5) if base is not None else None,
+                "decreases": self.cuts, "engine_cap": self.engine_cap}

@@ -1,0 +1,71 @@
+"""Per-tenant Prometheus metrics, with a bounded tenant label: the configured tenants plus
+`other` (open mode, or anything unexpected). Never a key, never a client-chosen string.
+
+  slogate_tenant_requests_total{tenant, slo_class, outcome}
+  slogate_tenant_slo_requests_total{tenant, slo_class, verdict}   (verdict="met" is goodput)
+  slogate_tenant_tokens_total{tenant, kind}                       (prompt, completion)
+  slogate_tenant_sheds_total{tenant, reason}                      (errors.SHED_REASONS)
+  slogate_tenant_quota_usage_ratio{tenant, quota}                 (0..1: share of a quota used)
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from gateway.errors import SHED_REASONS
+
+OTHER = "other"
+
+
+class TenantMetrics:
+    def __init__(self, registry: CollectorRegistry, tenants: Iterable[str] = ()) -> None:
+        self.known = frozenset(tenants)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self.requests = Counter("slogate_tenant_requests", "Finished requests by tenant.",
+                                ("tenant", "slo_class", "outcome"), registry=registry)
+        self.slo_requests = Counter("slogate_tenant_slo_requests",
+                                    "Finished requests by tenant and SLO verdict (met = "
+                                    "goodput).", ("tenant", "slo_class", "verdict"),
+                                    registry=registry)
+        self.tokens = Counter("slogate_tenant_tokens", "Tokens by tenant and kind.",
+                              ("tenant", "kind"), registry=registry)
+        self.sheds = Counter("slogate_tenant_sheds",
+                             "Requests admission refused, by tenant and reason (quota, queue "
+                             "full, TTFT out of reach).", ("tenant", "reason"), registry=registry)
+        self.quota = Gauge("slogate_tenant_quota_usage_ratio",
+                           "Share of a tenant's quota in use (requests/tokens per minute, in "
+                           "flight, queued).", ("tenant", "quota"), registry=registry)
+        for tenant in (*sorted(self.known), OTHER):
+            for reason in SHED_REASONS:
+                self.sheds.labels(tenant, reason)
+
+    def label(self, tenant: str | None) -> str:
+        return tenant if tenant in self.known else OTHER
+
+    def _child(self, metric: Any, labels: tuple[str, ...]) -> Any:
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def observe(self, ctx: Any) -> None:
+        """One finished request."""
+        tenant = self.label(ctx.tenant_label)
+        cls = ctx.slo.name if ctx.slo is not None else "none"
+        self._child(self.requests, (tenant, cls, ctx.outcome or "unknown")).inc()
+        if ctx.verdict:
+            self._child(self.slo_requests, (tenant, cls, ctx.verdict)).inc()
+        if ctx.prompt_tokens:
+            self._child(self.tokens, (tenant, "prompt")).inc(ctx.prompt_tokens)
+        if ctx.completion_tokens:
+            self._child(self.tokens, (tenant, "completion")).inc(ctx.completion_tokens)
+
+    def shed(self, tenant: str, reason: str) -> None:
+        self._child(self.sheds, (self.label(tenant), reason)).inc()
+
+    def quota_usage(self, tenant: str, usage: Mapping[str, float]) -> None:
+        for quota, value in usage.items():
+            self._child(self.quota, (self.label(tenant), quota)).set(value)
