@@ -131,8 +131,8 @@ class Relay:
     The body is relayed inside the upstream protocol's `data_received` (gateway/wire.py):
     each decoded read goes through the Splicer and, once committed, straight to the client's
     transport. This coroutine only wakes when the sink asks it to (commit, client back-pressure)
-    and at the end; while it handles a request the upstream is paused, so bytes keep their
-    order. Deadlines and a client that leaves cancel it, as before."""
+    and at the end; bytes keep their order (held until the commit has taken them, the upstream
+    paused during a drain). Deadlines and a client that leaves cancel it, as before."""
 
     def __init__(self, request: web.Request, ex: Exchange, up: aiohttp.ClientResponse,
                  api: Api, headers: object, *, hold_until_first_token: bool,
@@ -207,10 +207,14 @@ class Relay:
         self._finish(exc, pause=False)  # the body failed: nothing more will come
 
     def _ask(self, what: object) -> None:
-        """The coroutine must do something that awaits (commit, drain): the upstream waits."""
+        """The coroutine must do something that awaits (commit, drain). For a drain the
+        upstream waits; for a commit it need not (no syscalls to stop and restart reading on
+        every request): what arrives meanwhile is held like everything before it and goes out
+        after it, in order — unless that grows past HOLD_LIMIT."""
         if self.asked is None or what is _COMMIT:
             self.asked = what
-        self.body.pause()
+        if what is _DRAIN or self.held_bytes > HOLD_LIMIT:
+            self.body.pause()
         self._wake()
 
     def _finish(self, what: object, pause: bool = True) -> None:
@@ -253,7 +257,9 @@ class Relay:
         ex.response = resp
         self.wire = ClientWire(self.request, resp)
         # aiohttp sends the headers with the first write (one segment with the first token);
-        # an empty write sends them alone, so that body writes can go to the transport.
+        # an empty write sends them alone, so that body writes can go to the transport. The
+        # server's writer has no on-chunk-sent hook: headers and `first` reach the transport
+        # before anything can await, so bytes the sink sends from now on come after them.
         await write(resp, first)
         self.t_last_write = now_ns()
 
