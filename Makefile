@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 DURATION ?=
 STAMP := $(VENV)/.slogate-installed
 
-.PHONY: demo lint test bench bench-goodput soak serve sim system-deps clean
+.PHONY: demo lint test bench bench-slow bench-goodput soak serve sim system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,9 +38,14 @@ test: lint $(STAMP) system-deps dashboards/schema-check/node_modules
 	bash scripts/install-llamacpp.sh $(PY)
 	$(PY) -m pytest
 
-# Streaming overhead, gateway vs direct (BENCH_ARGS=--quick for a smoke run).
+# Streaming overhead, gateway and nginx vs direct (BENCH_ARGS=--quick for a smoke run;
+# BENCH_ARGS="--baseline main --reps 3" adds main's gateway, interleaved).
 bench: $(STAMP)
 	$(PY) -m benchmarks.overhead --out bench-results/overhead.json --markdown bench-results/overhead.md $(BENCH_ARGS)
+
+# Long-lived slow streams (1,000 and 5,000 at one token per second): CPU and RSS per stream.
+bench-slow: $(STAMP)
+	$(PY) -m benchmarks.overhead --slow 1000,5000 --out bench-results/slow.json --markdown bench-results/slow.md $(BENCH_ARGS)
 
 # Goodput with SLO-aware admission vs pass-through under overload (QUICK=1 for a smoke run).
 bench-goodput: $(STAMP)

@@ -42,6 +42,7 @@ import shlex
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -300,6 +301,99 @@ async def _client_run(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+async def _slow_client_run(spec: dict[str, Any]) -> dict[str, Any]:
+    """Many long-lived slow streams (agents, voice): open `streams` of them over `ramp`
+    seconds, let them settle, then measure the watched processes over `duration` seconds
+    while every stream stays open (each lasts longer than the whole run)."""
+    import aiohttp
+    import orjson
+
+    n: int = spec["streams"]
+    url: str = spec["url"]
+    watch: dict[str, int] = spec.get("watch", {})
+    body = orjson.dumps({"model": "sim", "messages": [{"role": "user", "content": "Hi."}],
+                         "stream": True, "max_tokens": spec["tokens"]})
+    headers = {"Content-Type": "application/json", "Authorization": "Bearer bench",
+               "x-sim-output-tokens": str(spec["tokens"])}
+    clock = time.perf_counter
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), auto_decompress=False,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=None),
+        skip_auto_headers=("User-Agent", "Accept-Encoding"))
+    st = {"open": 0, "first": 0, "tokens": 0, "errors": 0, "ended": 0}
+    errors: Counter[str] = Counter()
+    gaps: list[float] = []
+    window = [float("inf"), float("inf")]
+
+    async def one(i: int) -> None:
+        await asyncio.sleep(spec["ramp"] * i / n)
+        try:
+            async with session.post(url, data=body, headers=headers) as resp:
+                if resp.status != 200:
+                    errors[f"http_{resp.status}"] += 1
+                    st["errors"] += 1
+                    return
+                st["open"] += 1
+                last = 0.0
+                async for chunk in resp.content.iter_any():
+                    t = clock()
+                    k = chunk.count(_CONTENT)
+                    if not k:
+                        continue
+                    if not last:
+                        st["first"] += 1
+                    elif window[0] <= t < window[1]:
+                        gaps.append(t - last)
+                    if window[0] <= t < window[1]:
+                        st["tokens"] += k
+                    last = t
+                st["ended"] += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            errors[type(e).__name__] += 1
+            st["errors"] += 1
+
+    def sample() -> dict[str, Any]:
+        out: dict[str, Any] = {"t": clock()}
+        for name, pid in {**watch, "client": os.getpid()}.items():
+            out[name] = (proc_cpu_s(pid), proc_sched_ns(pid))
+        return out
+
+    rss0 = {name: proc_rss_kib(pid) for name, pid in watch.items()}
+    tasks = [asyncio.create_task(one(i)) for i in range(n)]
+    t_end_ramp = clock() + spec["ramp"] + 30
+    while st["first"] + st["errors"] < n and clock() < t_end_ramp:
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(spec["warmup"])
+    s0 = sample()
+    window[0], window[1] = s0["t"], s0["t"] + spec["duration"]
+    await asyncio.sleep(spec["duration"])
+    s1 = sample()
+    rss = {name: proc_rss_kib(pid) for name, pid in watch.items()}
+    streams_open = st["open"] - st["ended"]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await session.close()
+    span = s1["t"] - s0["t"]
+    cpu: dict[str, Any] = {}
+    for name in (*watch, "client"):
+        (a_stat, a_ns), (b_stat, b_ns) = s0[name], s1[name]
+        c: dict[str, Any] = {"cpu_s": None, "runq_wait_frac": None, "util": None}
+        if a_stat is not None and b_stat is not None:
+            c["cpu_s"] = (b_stat[0] + b_stat[1]) - (a_stat[0] + a_stat[1])
+            c["util"] = c["cpu_s"] / span
+        if a_ns is not None and b_ns is not None:
+            c["cpu_s_schedstat"] = (b_ns[0] - a_ns[0]) / 1e9
+            c["runq_wait_frac"] = (b_ns[1] - a_ns[1]) / 1e9 / span
+        cpu[name] = c
+    return {"window_s": span, "streams": n, "streams_open": streams_open,
+            "errors": st["errors"], "error_kinds": dict(errors), "tokens": st["tokens"],
+            "tokens_per_s": st["tokens"] / span, "itl_ms": percentiles(gaps), "cpu": cpu,
+            "rss_kib_before": rss0, "rss_kib": rss}
+
+
 def client_main(spec_path: str, out_path: str) -> int:
     with open(spec_path) as f:
         spec = json.load(f)
@@ -308,7 +402,8 @@ def client_main(spec_path: str, out_path: str) -> int:
         uvloop.install()
     except ImportError:  # pragma: no cover
         pass
-    result = asyncio.run(_client_run(spec))
+    run = _slow_client_run if spec.get("mode") == "slow" else _client_run
+    result = asyncio.run(run(spec))
     with open(out_path, "w") as f:
         json.dump(result, f)
     return 0
@@ -350,17 +445,17 @@ class Procs:
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
     def start(self, name: str, argv: list[str], cpus: set[int] | None,
-              env: dict[str, str] | None = None) -> subprocess.Popen:
+              env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.Popen:
         with open(self.logdir / f"{name}.log", "ab") as log:  # the child keeps its own copy
             p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, cwd=REPO, env=env,
+                                 stdin=subprocess.DEVNULL, cwd=cwd, env=env,
                                  preexec_fn=_preexec(cpus))
         self.procs.append((name, p))
         return p
 
     def check_alive(self) -> None:
         for name, p in self.procs:
-            if p.poll() is not None and name in ("sim", "gateway"):
+            if p.poll() is not None and name in ("sim", "gateway", "baseline", "nginx"):
                 raise RuntimeError(f"{name} exited with status {p.returncode}; see "
                                    f"{self.logdir / (name + '.log')}:\n{self.tail(name)}")
 
@@ -571,90 +666,115 @@ def fmt(v: float | None, spec: str = ".2f") -> str:
     return "–" if v is None else format(v, spec)
 
 
+PROXY_LABELS = {"gateway": "slogate", "baseline": "slogate (baseline)", "nginx": "nginx"}
+
+
+def median_tree(items: list[Any]) -> Any:
+    """The element-wise median of results of the same shape (numbers: median of those that are
+    not None; anything else: the first one's)."""
+    first = items[0]
+    if isinstance(first, dict):
+        return {k: median_tree([it.get(k) if isinstance(it, dict) else None for it in items])
+                for k in first}
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        vals = [v for v in items if isinstance(v, (int, float))]
+        return statistics.median(vals) if vals else None
+    if first is None:
+        vals = [v for v in items if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        return statistics.median(vals) if vals else None
+    return first
+
+
 def render(results: dict[str, Any]) -> str:
     m = results["meta"]
+    proxies = m.get("proxies", ["gateway"])
+    reps = m.get("reps", 1)
+    labels = dict(PROXY_LABELS)
+    if m.get("baseline"):
+        labels["baseline"] = f"slogate {m['baseline']}"
     lines = [
         f"### slogate streaming overhead — {m['tokens']} tokens at {m['token_ms']} ms/token, "
-        f"{m['duration_s']:g} s per point (+{m['warmup_s']:g} s warm-up)",
+        f"{m['duration_s']:g} s per point (+{m['warmup_s']:g} s warm-up)"
+        + (f", {reps} interleaved repetitions (medians)" if reps > 1 else ""),
         "",
-        f"Placement: gateway {m['placement']['gateway']}; sim {m['placement']['sim']}; "
+        f"Placement: proxies {m['placement']['gateway']}; sim {m['placement']['sim']}; "
         f"load generator {m['placement']['client']} (separate process). "
         f"Telemetry: {m['telemetry']}. Nice: {m.get('nice', 0)}. "
         f"Host: {m['host']['cpus']} CPUs ({m['host']['cpu_model']}), "
-        f"load avg at start {m['host']['loadavg_start']}.",
+        f"load avg at start {m['host']['loadavg_start']}. Git: {m.get('git')}.",
         "",
-        "| streams | path | reqs | err | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | tok/s "
-        "| +TTFT p50 | +TTFT p99 | +ITL p50 | +ITL p99 | tok/s vs direct "
-        "| GW µs/token | GW RSS MiB |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    if results["points"]:
+        lines += [
+            "| streams | path | reqs | err | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | tok/s "
+            "| +TTFT p50 | +TTFT p99 | +ITL p50 | +ITL p99 | tok/s vs direct "
+            "| µs/token | RSS MiB | CPU % [run-queue wait %] |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
     for pt in results["points"]:
-        d, g, o = pt["direct"], pt["gateway"], pt["overhead"]
+        d = pt["direct"]
         lines.append(
-            f"| {pt['streams']} | direct | {d['requests']} | {d['errors']} "
+            f"| {pt['streams']} | direct | {d['requests']:.0f} | {d['errors']:.0f} "
             f"| {fmt(d['ttft_ms']['p50'])} | {fmt(d['ttft_ms']['p99'])} "
             f"| {fmt(d['itl_ms']['p50'])} | {fmt(d['itl_ms']['p99'])} | {d['tokens_per_s']:.0f} "
-            f"| | | | | | | |")
-        lines.append(
-            f"| {pt['streams']} | gateway | {g['requests']} | {g['errors']} "
-            f"| {fmt(g['ttft_ms']['p50'])} | {fmt(g['ttft_ms']['p99'])} "
-            f"| {fmt(g['itl_ms']['p50'])} | {fmt(g['itl_ms']['p99'])} | {g['tokens_per_s']:.0f} "
-            f"| {fmt(o['added_ttft_ms']['p50'])} | {fmt(o['added_ttft_ms']['p99'])} "
-            f"| {fmt(o['added_itl_ms']['p50'])} | {fmt(o['added_itl_ms']['p99'])} "
-            f"| {fmt(o['tokens_per_s_ratio'], '.3f')}× "
-            f"| {fmt(o['gateway_cpu_us_per_token'], '.1f')} "
-            f"| {fmt(o['gateway_rss_mib'], '.1f')} |")
-    lines += [
-        "",
-        "Times in ms, measured at the client. TTFT = request sent → first non-empty "
-        "delta.content event; ITL = gap between successive content events. "
-        "+X = gateway percentile − direct percentile. GW µs/token = gateway utime+stime "
-        "(/proc/PID/stat) over the window ÷ tokens streamed through it.",
-        "",
-        "CPU use during the window, as % of one core, and in brackets the time the process "
-        "was runnable but waiting for its core (schedstat run-queue wait, % of the window). "
-        "A saturated core, or a large wait (other work on the machine), makes the latency "
-        "columns above a measurement of that, not of the gateway. µs/token is affected less, but "
-        "it falls when the gateway runs late (more events per read and per write): compare it "
-        "between runs with similar waits.",
-        "",
-        "| streams | path | gateway CPU % | sim CPU % | load generator CPU % "
-        "| headers p50 | first byte p50 | +headers p50 | +first byte p50 |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for pt in results["points"]:
-        for path in ("direct", "gateway"):
-            r = pt[path]
-            c = r["cpu"]
-
-            def pc(name: str, c: dict[str, Any] = c) -> str:
-                u = c.get(name, {}).get("util")
-                w = c.get(name, {}).get("runq_wait_frac")
-                return (("–" if u is None else f"{u * 100:.0f}")
-                        + ("" if w is None else f" [{w * 100:.0f}]"))
-            g = c.get("gateway", {})
-            sys_share = (f", {g['sys_s'] / g['cpu_s'] * 100:.0f}% sys"
-                         if path == "gateway" and g.get("cpu_s") else "")
-            o = pt["overhead"]
-            added = (f"| {fmt(o['added_headers_ms']['p50'])} "
-                     f"| {fmt(o['added_first_byte_ms']['p50'])} |"
-                     if path == "gateway" else "| | |")
-            gw_cpu = pc("gateway") if path == "gateway" else "–"
-            lines.append(f"| {pt['streams']} | {path} | {gw_cpu}{sys_share} | {pc('sim')} "
-                         f"| {pc('client')} | {fmt(r['headers_ms']['p50'])} "
-                         f"| {fmt(r['first_byte_ms']['p50'])} {added}")
-    worst = max(((pt[path]["cpu"].get(name, {}).get("runq_wait_frac") or 0.0, pt["streams"],
-                  path, name)
-                 for pt in results["points"] for path in ("direct", "gateway")
-                 for name in ("gateway", "sim", "client")
-                 if name != "gateway" or path == "gateway"), default=None)
-    if worst and worst[0] > 0.05:
-        lines += ["", f"**Warning: CPU contention.** The {worst[3]} waited "
-                      f"{worst[0] * 100:.0f}% of the window for its core ({worst[1]} streams, "
-                      f"{worst[2]} path): other work "
-                      f"on this machine (or the process sharing its core) kept it from running; "
-                      f"latency and throughput numbers are not clean. Rerun on an idle machine "
-                      f"(or with --nice -5)."]
+            f"| | | | | | | | sim {_pc(d['cpu'], 'sim')} |")
+        for px in proxies:
+            g, o = pt[px], pt["overheads"][px]
+            lines.append(
+                f"| {pt['streams']} | {labels.get(px, px)} | {g['requests']:.0f} "
+                f"| {g['errors']:.0f} "
+                f"| {fmt(g['ttft_ms']['p50'])} | {fmt(g['ttft_ms']['p99'])} "
+                f"| {fmt(g['itl_ms']['p50'])} | {fmt(g['itl_ms']['p99'])} "
+                f"| {g['tokens_per_s']:.0f} "
+                f"| {fmt(o['added_ttft_ms']['p50'])} | {fmt(o['added_ttft_ms']['p99'])} "
+                f"| {fmt(o['added_itl_ms']['p50'])} | {fmt(o['added_itl_ms']['p99'])} "
+                f"| {fmt(o['tokens_per_s_ratio'], '.3f')}× "
+                f"| {fmt(o['gateway_cpu_us_per_token'], '.1f')} "
+                f"| {fmt(o['gateway_rss_mib'], '.1f')} | {_pc(g['cpu'], 'gateway')} |")
+    if results["points"]:
+        lines += [
+            "",
+            "Times in ms, measured at the client. TTFT = request sent → first non-empty "
+            "delta.content event; ITL = gap between successive content events. "
+            "+X = proxy percentile − direct percentile (each repetition against the direct run "
+            "next to it, then the median). µs/token = the proxy's utime+stime (/proc/PID/stat; "
+            "nginx: its worker) over the window ÷ tokens streamed through it. CPU % = of one "
+            "core; in brackets the time the process was runnable but waiting for its core "
+            "(schedstat run-queue wait, % of the window): a large wait means other work on the "
+            "machine, and the latency columns then measure that.",
+        ]
+    slow = results.get("slow") or []
+    if slow:
+        lines += [
+            "",
+            f"**Long-lived slow streams**: N streams open at once, one token per "
+            f"{m.get('slow_token_ms', 1000):g} ms each, measured over "
+            f"{m.get('slow_duration_s', 0):g} s once all are open.",
+            "",
+            "| streams | proxy | open | err | tok/s | ITL p50 | ITL p99 | CPU % of a core "
+            "[run-queue wait %] | µs/token | CPU µs/s per stream | RSS MiB idle → loaded "
+            "| RSS KiB per stream |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for pt in slow:
+            for px in proxies:
+                r = pt.get(px)
+                if r is None:
+                    continue
+                c = r["cpu"].get("gateway", {})
+                n = r["streams"]
+                rb = (r["rss_kib_before"].get("gateway") or 0)
+                ra = (r["rss_kib"].get("gateway") or 0)
+                us_tok = (c["cpu_s"] / r["tokens"] * 1e6
+                          if c.get("cpu_s") is not None and r["tokens"] else None)
+                per_stream = (c["cpu_s"] / r["window_s"] / n * 1e6
+                              if c.get("cpu_s") is not None else None)
+                lines.append(
+                    f"| {n} | {labels.get(px, px)} | {r['streams_open']} | {r['errors']} "
+                    f"| {r['tokens_per_s']:.0f} | {fmt(r['itl_ms']['p50'], '.0f')} "
+                    f"| {fmt(r['itl_ms']['p99'], '.0f')} | {_pc(r['cpu'], 'gateway')} "
+                    f"| {fmt(us_tok, '.1f')} | {fmt(per_stream, '.1f')} "
+                    f"| {rb / 1024:.1f} → {ra / 1024:.1f} | {(ra - rb) / n:.1f} |")
     prof = results.get("profile")
     if prof and prof.get("summary"):
         s = prof["summary"]
@@ -671,11 +791,76 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def gateway_config(host: str, port: int, sim_port: int, pool: int, extra: str) -> str:
+def _pc(cpu: dict[str, Any], name: str) -> str:
+    u = cpu.get(name, {}).get("util")
+    w = cpu.get(name, {}).get("runq_wait_frac")
+    return (("–" if u is None else f"{u * 100:.0f}")
+            + ("" if w is None else f" [{w * 100:.0f}]"))
+
+
+NGINX_CONF = """
+daemon off;
+worker_processes 1;
+worker_rlimit_nofile {nofile};
+pid {tmp}/nginx.pid;
+error_log {tmp}/nginx-error.log warn;
+events {{ worker_connections {conns}; }}
+http {{
+  access_log off;
+  client_body_temp_path {tmp}/body;
+  proxy_temp_path {tmp}/proxy;
+  fastcgi_temp_path {tmp}/fastcgi;
+  uwsgi_temp_path {tmp}/uwsgi;
+  scgi_temp_path {tmp}/scgi;
+  upstream sim {{ server {host}:{sim_port}; keepalive {keepalive}; }}
+  server {{
+    listen {host}:{port};
+    location / {{
+      proxy_pass http://sim;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_read_timeout 600s;
+    }}
+  }}
+}}
+"""
+
+
+def start_nginx(procs: Procs, tmp: Path, host: str, port: int, sim_port: int,
+                cpus: set[int] | None, conns: int) -> tuple[subprocess.Popen, int]:
+    """nginx (one worker, proxy_buffering off) in front of the simulator: (master, worker pid)."""
+    binary = shutil.which("nginx") or "/usr/sbin/nginx"
+    if not Path(binary).exists():
+        raise RuntimeError("nginx is not installed (make system-deps)")
+    ndir = tmp / "nginx"
+    ndir.mkdir(exist_ok=True)
+    conf = ndir / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(tmp=ndir, host=host, port=port, sim_port=sim_port,
+                                      conns=max(1024, 2 * conns + 64),
+                                      nofile=max(4096, 4 * conns + 256),
+                                      keepalive=max(64, conns)))
+    master = procs.start("nginx", [binary, "-c", str(conf), "-p", str(ndir)], cpus)
+    wait_http(procs, "nginx", f"http://{host}:{port}/v1/models")
+    worker = None
+    for _ in range(50):
+        with contextlib.suppress(OSError, ValueError):
+            kids = Path(f"/proc/{master.pid}/task/{master.pid}/children").read_text().split()
+            if kids:
+                worker = int(kids[0])
+                break
+        time.sleep(0.1)
+    if worker is None:
+        raise RuntimeError("nginx worker not found")
+    return master, worker
+
+
+def gateway_config(host: str, port: int, sim_port: int, pool: int, extra: str,
+                   server_extra: str = "") -> str:
     """The gateway's TOML: access log off, open auth, one backend (the sim). Versions of the
     gateway that predate a section reject it, so the first candidate that this checkout's
     config parser accepts is used (the plain one when the parser cannot be imported)."""
-    server = f'[server]\nhost = "{host}"\nport = {port}\naccess_log = false\n\n'
+    server = f'[server]\nhost = "{host}"\nport = {port}\naccess_log = false\n{server_extra}\n'
     auth = '[auth]\nmode = "open"\n\n'
     backend = (f'[[backends]]\nname = "sim"\ntype = "openai"\n'
                f'base_url = "http://{host}:{sim_port}/v1"\nmodels = ["*"]\npool_size = {pool}\n')
@@ -755,6 +940,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nice", type=int, default=0,
                     help="niceness for the sim, gateway and load generator (negative needs root; "
                          "e.g. -5 on a machine shared with other work, to cut run-queue waits)")
+    ap.add_argument("--proxies", default=None,
+                    help="proxies measured against direct, in this order within each repetition: "
+                         "gateway (this checkout), nginx (proxy_buffering off), baseline (the "
+                         "--baseline revision) (default: gateway,nginx[,baseline])")
+    ap.add_argument("--baseline", metavar="REV",
+                    help="also run the gateway of this git revision (exported with git archive), "
+                         "same config and placement, interleaved with this checkout's")
+    ap.add_argument("--reps", type=int, default=1,
+                    help="repetitions per point, interleaved (direct, A, B, direct, A, B, ...); "
+                         "the tables show medians")
+    ap.add_argument("--slow", metavar="N,N",
+                    help="long-lived slow streams mode: these numbers of concurrent streams, "
+                         "one token per --slow-token-ms (e.g. 1000,5000)")
+    ap.add_argument("--slow-token-ms", type=float, default=1000.0)
+    ap.add_argument("--slow-duration", type=float, default=20.0,
+                    help="seconds measured once all slow streams are open (default 20)")
+    ap.add_argument("--slow-ramp", type=float, default=None,
+                    help="seconds over which the slow streams are opened (default N/500)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--keep-logs", action="store_true", help="keep the temp dir with process logs")
     ap.add_argument("--client-spec", help=argparse.SUPPRESS)
@@ -768,12 +971,27 @@ def main(argv: list[str] | None = None) -> int:
 
     quick = args.quick
     if args.streams is None:
-        args.streams = "1,8" if quick else "1,8,64,256"
+        args.streams = "1,8" if quick else ("" if args.slow else "1,8,64,256")
     if args.duration is None:
         args.duration = 3.0 if quick else 10.0
     if args.warmup is None:
         args.warmup = 1.0 if quick else 2.0
     streams = [int(s) for s in args.streams.split(",") if s.strip()]
+    slow_counts = [int(s) for s in (args.slow or "").split(",") if s.strip()]
+    if args.proxies is None:
+        args.proxies = "gateway" + (",nginx" if shutil.which("nginx") or
+                                    Path("/usr/sbin/nginx").exists() else "")
+        if args.baseline:
+            args.proxies += ",baseline"
+    proxies = [p.strip() for p in args.proxies.split(",") if p.strip()]
+    if "baseline" in proxies and not args.baseline:
+        raise SystemExit("--proxies baseline needs --baseline REV")
+    reps = max(1, args.reps)
+    if slow_counts and streams:
+        raise SystemExit("--slow runs on its own (the simulator's decode step is the slow "
+                         "token interval): give no --streams with it")
+    if slow_counts:
+        args.token_ms = args.slow_token_ms
     allowed = sorted(os.sched_getaffinity(0))
     two = len(allowed) >= 2
     gw_cpus = parse_cpus(args.gateway_cpu, allowed, allowed[1] if two else None)
@@ -786,7 +1004,8 @@ def main(argv: list[str] | None = None) -> int:
     procs = Procs(tmp)
     host = args.host
     sim_port, gw_port = free_port(host), free_port(host)
-    max_batch = max(1024, 2 * max(streams))
+    most = max(streams + slow_counts)
+    max_batch = max(1024, 2 * most)
     cfg_path = tmp / "gateway.toml"
     extra = Path(args.gateway_config_extra).read_text() if args.gateway_config_extra else ""
     sink_port = free_port(host)
@@ -795,7 +1014,13 @@ def main(argv: list[str] | None = None) -> int:
                   'metrics_export_interval_s = 5\n')
     elif args.telemetry == "off":  # nothing exported, no Prometheus observation either
         extra += "\n[telemetry]\ntraces = false\notlp_metrics = false\nprometheus = false\n"
-    cfg_path.write_text(gateway_config(host, gw_port, sim_port, max(256, 2 * max(streams)), extra))
+    server_extra = ""
+    if slow_counts:  # thousands of connections from one address
+        server_extra = (f"max_connections = {4 * most + 1024}\n"
+                        "max_connections_per_client = 0\n")
+    cfg_path.write_text(gateway_config(host, gw_port, sim_port, max(256, 2 * most), extra,
+                                       server_extra))
+    ports = {"gateway": gw_port, "baseline": free_port(host), "nginx": free_port(host)}
     subst = {"python": shlex.quote(sys.executable), "host": host, "config": str(cfg_path),
              "token_ms": f"{args.token_ms:g}", "max_batch": str(max_batch)}
     sim_argv = shlex.split(args.sim_cmd.format(**subst, port=sim_port))
@@ -834,49 +1059,130 @@ def main(argv: list[str] | None = None) -> int:
             procs.start("otlp-sink", [sys.executable, "-m", "benchmarks.otlp_sink", "--host", host,
                                       "--port", str(sink_port)], sim_cpus)
         wait_http(procs, "sim", f"http://{host}:{sim_port}/v1/models")
-        gw = procs.start("gateway", gw_argv, gw_cpus, env=gw_env)
-        wait_http(procs, "gateway", f"http://{host}:{gw_port}/healthz")
-        urls = {"direct": f"http://{host}:{sim_port}/v1/chat/completions",
-                "gateway": f"http://{host}:{gw_port}/v1/chat/completions"}
+        urls = {"direct": f"http://{host}:{sim_port}/v1/chat/completions"}
+        pids: dict[str, int] = {}
+        gw = None
+        for px in proxies:
+            port = ports[px]
+            if px == "nginx":
+                _, pids[px] = start_nginx(procs, tmp, host, port, sim_port, gw_cpus, most)
+            elif px in ("gateway", "baseline"):
+                cwd = REPO
+                argv = gw_argv
+                if px == "baseline":  # that revision's tree, its own working directory
+                    cwd = tmp / "baseline"
+                    cwd.mkdir()
+                    archive = subprocess.run(["git", "archive", args.baseline], cwd=REPO,
+                                             capture_output=True, check=True).stdout
+                    subprocess.run(["tar", "-x", "-C", str(cwd)], input=archive, check=True)
+                    argv = shlex.split(args.gateway_cmd.format(**subst, port=port))
+                    results["meta"]["baseline_git"] = subprocess.run(
+                        ["git", "rev-parse", "--short", args.baseline], cwd=REPO, text=True,
+                        capture_output=True).stdout.strip()
+                env = dict(gw_env)
+                if px == "baseline":
+                    env["PYTHONPATH"] = str(cwd)
+                proc = procs.start(px, argv, gw_cpus, env=env, cwd=cwd)
+                wait_http(procs, px, f"http://{host}:{port}/healthz")
+                pids[px] = proc.pid
+                if px == "gateway":
+                    gw = proc
+            else:
+                raise SystemExit(f"unknown proxy {px!r}")
+            urls[px] = f"http://{host}:{port}/v1/chat/completions"
+        probe_tokens = 2 if slow_counts else args.tokens
         for path, url in urls.items():
-            status, n = probe_stream(url, args.tokens)
-            if status != 200 or n != args.tokens:
+            status, n = probe_stream(url, probe_tokens)
+            if status != 200 or n != probe_tokens:
                 raise RuntimeError(f"probe via {path}: HTTP {status}, {n} content events "
-                                   f"(expected 200 and {args.tokens}); logs in {tmp}")
-        results["meta"]["pids"] = {"sim": sim.pid, "gateway": gw.pid}
-        watch = {"sim": sim.pid, "gateway": gw.pid}
+                                   f"(expected 200 and {probe_tokens}); logs in {tmp}")
+        results["meta"]["pids"] = {"sim": sim.pid, **pids}
+        results["meta"]["proxies"] = proxies
+        results["meta"]["reps"] = reps
+        results["meta"]["baseline"] = args.baseline
+        first_proxy = pids[proxies[0]] if proxies else None
 
-        def spec_for(path: str, n: int) -> dict[str, Any]:
-            return {"path": path, "url": urls[path], "streams": n, "warmup": args.warmup,
-                    "duration": args.duration, "tokens": args.tokens,
+        def spec_for(path: str, n: int, rep: int = 0) -> dict[str, Any]:
+            watch = {"sim": sim.pid}
+            target = pids.get(path, first_proxy)
+            if target is not None:
+                watch["gateway"] = target
+            return {"path": f"{path}-r{rep}", "url": urls[path], "streams": n,
+                    "warmup": args.warmup, "duration": args.duration, "tokens": args.tokens,
                     "token_ms": args.token_ms, "grace": 10.0, "watch": watch}
 
         for n in streams:
-            point: dict[str, Any] = {"streams": n}
-            for path in ("direct", "gateway"):
-                print(f"[{n:>4} streams] {path:<7} …", end=" ", flush=True)
-                r = run_client(procs, tmp, spec_for(path, n), client_cpus)
-                point[path] = r
-                waits = ", ".join(f"{k} {v['runq_wait_frac'] * 100:.0f}%"
-                                  for k, v in r["cpu"].items()
-                                  if v.get("runq_wait_frac") is not None
-                                  and (k != "gateway" or path == "gateway"))
-                print(f"{r['tokens_per_s']:.0f} tok/s, TTFT p50 {fmt(r['ttft_ms']['p50'])} ms, "
-                      f"ITL p99 {fmt(r['itl_ms']['p99'])} ms, errors {r['errors']}; "
-                      f"run-queue wait: {waits}"
-                      + (f"; {r['short_streams']} streams with a token count other than "
-                         f"{args.tokens}" if r["short_streams"] else "")
-                      + (f"; errors: {r['error_kinds']}" if r["error_kinds"] else ""), flush=True)
-            point["overhead"] = overhead(point["direct"], point["gateway"])
-            o = point["overhead"]
-            print(f"               → +TTFT p50 {fmt(o['added_ttft_ms']['p50'])} ms, "
-                  f"{fmt(o['gateway_cpu_us_per_token'], '.1f')} µs/token, "
-                  f"ratio {fmt(o['tokens_per_s_ratio'], '.3f')}", flush=True)
+            point: dict[str, Any] = {"streams": n, "runs": {p: [] for p in ("direct", *proxies)}}
+            for rep in range(reps):
+                for path in ("direct", *proxies):
+                    print(f"[{n:>4} streams] {path:<8} rep {rep + 1}/{reps} …", end=" ",
+                          flush=True)
+                    r = run_client(procs, tmp, spec_for(path, n, rep), client_cpus)
+                    point["runs"][path].append(r)
+                    waits = ", ".join(f"{k} {v['runq_wait_frac'] * 100:.0f}%"
+                                      for k, v in r["cpu"].items()
+                                      if v.get("runq_wait_frac") is not None
+                                      and (k != "gateway" or path != "direct"))
+                    cpu_tok = ""
+                    g = r["cpu"].get("gateway", {})
+                    if path != "direct" and g.get("cpu_s") is not None and r["tokens"]:
+                        cpu_tok = f", {g['cpu_s'] / r['tokens'] * 1e6:.1f} µs/token"
+                    print(f"{r['tokens_per_s']:.0f} tok/s, TTFT p50 {fmt(r['ttft_ms']['p50'])} "
+                          f"ms, ITL p99 {fmt(r['itl_ms']['p99'])} ms, errors {r['errors']}"
+                          f"{cpu_tok}; run-queue wait: {waits}"
+                          + (f"; {r['short_streams']} streams with a token count other than "
+                             f"{args.tokens}" if r["short_streams"] else "")
+                          + (f"; errors: {r['error_kinds']}" if r["error_kinds"] else ""),
+                          flush=True)
+            runs = point["runs"]
+            for path in ("direct", *proxies):
+                point[path] = median_tree(runs[path])
+            point["overheads"] = {
+                px: median_tree([overhead(d, g) for d, g in zip(runs["direct"], runs[px],
+                                                                strict=True)])
+                for px in proxies}
+            if "gateway" in proxies:
+                point["overhead"] = point["overheads"]["gateway"]
+            for px in proxies:
+                o = point["overheads"][px]
+                print(f"               → {px}: +TTFT p50 {fmt(o['added_ttft_ms']['p50'])} ms, "
+                      f"p99 {fmt(o['added_ttft_ms']['p99'])} ms, "
+                      f"{fmt(o['gateway_cpu_us_per_token'], '.1f')} µs/token, "
+                      f"ratio {fmt(o['tokens_per_s_ratio'], '.3f')} (medians)", flush=True)
             results["points"].append(point)
 
-            if args.profile and n == args.profile_streams:
+            if args.profile and n == args.profile_streams and gw is not None:
                 results["profile"] = profile_point(args, procs, tmp, spec_for("gateway", n),
                                                    client_cpus, gw.pid)
+        results["slow"] = []
+        results["meta"]["slow_token_ms"] = args.slow_token_ms
+        results["meta"]["slow_duration_s"] = args.slow_duration
+        for n in slow_counts:
+            spt: dict[str, Any] = {"streams": n}
+            for px in proxies:
+                spec = spec_for(px, n)
+                ramp = args.slow_ramp if args.slow_ramp is not None else max(2.0, n / 500)
+                # Long enough to outlast the run; the sim's decode step is the token interval.
+                spec.update(mode="slow", ramp=ramp, warmup=3.0, duration=args.slow_duration,
+                            tokens=int((ramp + 45 + args.slow_duration) * 1000
+                                       / args.slow_token_ms) + 10,
+                            path=f"slow-{px}")
+                print(f"[{n:>5} slow streams] {px:<8} …", end=" ", flush=True)
+                r = run_json_process(procs, tmp, f"slow-{px}-{n}", "benchmarks.overhead", spec,
+                                     client_cpus, ramp + 45 + args.slow_duration + 60)
+                spt[px] = r
+                c = r["cpu"].get("gateway", {})
+                rb = r["rss_kib_before"].get("gateway") or 0
+                ra = r["rss_kib"].get("gateway") or 0
+                util = (c.get("util") or 0) * 100
+                print(f"{r['streams_open']} open, {r['errors']} errors, "
+                      f"{r['tokens_per_s']:.0f} tok/s, CPU {util:.1f}%"
+                      f" [wait {fmt((c.get('runq_wait_frac') or 0) * 100, '.0f')}%], RSS "
+                      f"{rb / 1024:.1f} → {ra / 1024:.1f} MiB ({(ra - rb) / n:.1f} KiB/stream)"
+                      + (f"; errors: {r['error_kinds']}" if r["error_kinds"] else ""),
+                      flush=True)
+                time.sleep(3)  # let the closed streams wind down
+            results["slow"].append(spt)
         if args.profile and "profile" not in results:
             print(f"note: --profile given but {args.profile_streams} is not among the "
                   f"streams {streams}; nothing profiled", file=sys.stderr)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import os
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -34,7 +33,11 @@ now_ns = time.monotonic_ns
 def new_request_id() -> str:
     """A random UUID: also sent upstream as X-Request-Id, and some servers (llama.cpp's, via
     starlette-context) answer 400 to an X-Request-Id that is not a UUID."""
-    return str(uuid.UUID(bytes=os.urandom(16), version=4))
+    b = bytearray(os.urandom(16))
+    b[6] = b[6] & 0x0F | 0x40  # version 4
+    b[8] = b[8] & 0x3F | 0x80  # RFC 4122 variant
+    h = b.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 @dataclass(eq=False)

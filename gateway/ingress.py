@@ -14,6 +14,11 @@ from gateway.errors import GatewayError
 async def read_body(request: web.Request, limit: int, timeout_s: float | None = None) -> bytes:
     """The whole body, within `limit` bytes and `timeout_s` seconds (a client that sends its
     headers and then trickles or withholds the body holds a connection and a task: 408)."""
+    length = request.content_length
+    content = request.content
+    if length is not None and length <= limit and content.is_eof():
+        # The whole body came with the headers (the common case): no timer, no iteration.
+        return content.read_nowait(-1)
     if not timeout_s:
         return await _read_body(request, limit)
     try:

@@ -36,12 +36,14 @@ from gateway.errors import (
 from gateway.exchange import Exchange, now_ns
 from gateway.limits import EVENT_TOO_LARGE, EventTooLarge
 from gateway.sse import DEFAULT_MAX_EVENT_BYTES, SSEParser
+from gateway.wire import ClientWire, UpstreamBody
 
 if TYPE_CHECKING:
     from gateway.apis.base import Api
     from gateway.deadlines import Watchdog
 
 HOLD_LIMIT = 64 * 1024
+_COMMIT, _DRAIN, _EOF = object(), object(), object()  # what the relay's sink asks for
 PING = b": ping\n\n"
 CAPTURE_LIMIT = 16 * 1024  # characters of output text kept when content capture is on
 
@@ -124,7 +126,13 @@ class Splicer:
 
 
 class Relay:
-    """One streamed response: the upstream response of `ex.attempt` → the client."""
+    """One streamed response: the upstream response of `ex.attempt` → the client.
+
+    The body is relayed inside the upstream protocol's `data_received` (gateway/wire.py):
+    each decoded read goes through the Splicer and, once committed, straight to the client's
+    transport. This coroutine only wakes when the sink asks it to (commit, client back-pressure)
+    and at the end; bytes keep their order (held until the commit has taken them, the upstream
+    paused during a drain). Deadlines and a client that leaves cancel it, as before."""
 
     def __init__(self, request: web.Request, ex: Exchange, up: aiohttp.ClientResponse,
                  api: Api, headers: object, *, hold_until_first_token: bool,
@@ -144,28 +152,116 @@ class Relay:
         self.held_bytes = 0
         self.held: list[bytes] = []  # before commit
         self.t_last_write = 0
-        self._commit_lock = asyncio.Lock()
+        self._commit_lock: asyncio.Lock | None = None  # only when a pinger can race the reader
+        self.body = UpstreamBody(up)
+        self.wire: ClientWire | None = None  # after commit
+        self.idle_armed = False
+        # What the sink asks of the coroutine: _COMMIT or _DRAIN (upstream paused meanwhile),
+        # then the end: _EOF or an exception to raise.
+        self.asked: object = None
+        self.end: object = None
+        self.waiter: asyncio.Future[None] | None = None
+
+    # -- the sink: called from inside the upstream protocol's callbacks, never awaits ---------
+
+    def body_data(self, chunk: bytes) -> None:
+        if self.end is not None:
+            return  # ending already (client gone, event too large): nothing more goes out
+        ex = self.ex
+        t = now_ns()
+        try:
+            out = self.splicer.feed(chunk, t)
+        except EventTooLarge as e:
+            self._finish(e)
+            return
+        if not self.idle_armed and ex.t_first_token:
+            self.watchdog.first_token()
+            self.idle_armed = True
+            if ex.on_first_token is not None:
+                ex.on_first_token()
+        wire = self.wire
+        if wire is not None:
+            if out:
+                if not wire.send(out):
+                    self._finish(ClientGone())
+                    return
+                self.t_last_write = t
+                if wire.full:
+                    self._ask(_DRAIN)
+        else:
+            if out:
+                self.held.append(out)
+                self.held_bytes += len(out)
+            if not self.hold or ex.t_first_token or ex.done or ex.error_type:
+                self._ask(_COMMIT)
+            elif self.held_bytes + len(self.splicer.pending) > self.max_event_bytes:
+                self._finish(EventTooLarge(self.held_bytes + len(self.splicer.pending),
+                                           self.max_event_bytes,
+                                           "answer without a first token"))
+        ex.overhead_ns += now_ns() - t
+
+    def body_eof(self) -> None:
+        self._finish(_EOF, pause=False)
+
+    def body_error(self, exc: BaseException) -> None:
+        self._finish(exc, pause=False)  # the body failed: nothing more will come
+
+    def _ask(self, what: object) -> None:
+        """The coroutine must do something that awaits (commit, drain). For a drain the
+        upstream waits; for a commit it need not (no syscalls to stop and restart reading on
+        every request): what arrives meanwhile is held like everything before it and goes out
+        after it, in order — unless that grows past HOLD_LIMIT."""
+        if self.asked is None or what is _COMMIT:
+            self.asked = what
+        if what is _DRAIN or self.held_bytes > HOLD_LIMIT:
+            self.body.pause()
+        self._wake()
+
+    def _finish(self, what: object, pause: bool = True) -> None:
+        if self.end is None:
+            self.end = what
+        if pause:
+            self.body.pause()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- the coroutine -------------------------------------------------------------------------
 
     async def _commit(self) -> None:
         """Send the response headers and what was held, once. The exchange's `response` is
         the commit state; it is published after the held bytes are taken, with no await in
         between, so bytes arriving meanwhile keep their order. The lock only serialises the
         reader and the keepalive pinger."""
-        async with self._commit_lock:
-            ex = self.ex
-            if ex.response is not None:
-                return
-            resp = web.StreamResponse(status=self.up.status, headers=self.headers)  # type: ignore[arg-type]
-            try:
-                await resp.prepare(self.request)
-            except (ConnectionResetError, aiohttp.ClientConnectionResetError) as e:
-                raise ClientGone() from e
-            ex.t_committed = now_ns()
-            first, self.held = b"".join(self.held), []
-            ex.response = resp
-            if first:
-                await write(resp, first)
-            self.t_last_write = now_ns()
+        lock = self._commit_lock
+        if lock is None:
+            await self._commit_once()
+            return
+        async with lock:
+            await self._commit_once()
+
+    async def _commit_once(self) -> None:
+        ex = self.ex
+        if ex.response is not None:
+            return
+        resp = web.StreamResponse(status=self.up.status, headers=self.headers)  # type: ignore[arg-type]
+        try:
+            await resp.prepare(self.request)
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError) as e:
+            raise ClientGone() from e
+        ex.t_committed = now_ns()
+        first, self.held = b"".join(self.held), []
+        ex.response = resp
+        self.wire = ClientWire(self.request, resp)
+        # aiohttp sends the headers with the first write (one segment with the first token);
+        # an empty write sends them alone, so that body writes can go to the transport. The
+        # server's writer has no on-chunk-sent hook: headers and `first` reach the transport
+        # before anything can await, so bytes the sink sends from now on come after them.
+        await write(resp, first)
+        self.t_last_write = now_ns()
 
     async def _keepalive(self) -> None:
         """Comment pings while the client would otherwise see nothing (load balancers drop
@@ -178,51 +274,59 @@ class Relay:
                 continue
             try:
                 await self._commit()
-                if self.ex.response is not None:
-                    await write(self.ex.response, PING)
+                if self.wire is not None and not self.wire.send(PING):
+                    return  # the reader finds out at its next write
             except ClientGone:
                 return  # the reader finds out at its next write; nothing to ping any more
             self.t_last_write = now_ns()
 
     async def run(self) -> web.StreamResponse:
-        pinger = (asyncio.create_task(self._keepalive()) if self.keepalive_s > 0 else None)
+        pinger = None
+        if self.keepalive_s > 0:
+            self._commit_lock = asyncio.Lock()
+            pinger = asyncio.create_task(self._keepalive())
         try:
             return await self._run()
         finally:
             if pinger is not None:
                 pinger.cancel()
 
+    async def _pump(self) -> None:
+        """Serve the sink's requests until the body ends; raise what ended it, if anything
+        but its end."""
+        body = self.body
+        loop = asyncio.get_running_loop()
+        body.hook(self)
+        try:
+            while True:
+                if self.asked is None and self.end is None:
+                    self.waiter = loop.create_future()
+                    try:
+                        await self.waiter
+                    finally:
+                        self.waiter = None
+                what, self.asked = self.asked, None
+                if what is _COMMIT:
+                    await self._commit()
+                elif what is _DRAIN:
+                    try:
+                        await self._client_wire().drain()
+                    except (ConnectionError, aiohttp.ClientConnectionResetError) as e:
+                        raise ClientGone() from e
+                end = self.end
+                if end is not None:
+                    if end is _EOF:
+                        return
+                    assert isinstance(end, BaseException)
+                    raise end
+                body.resume()  # may run the sink again, re-entrantly
+        finally:
+            body.unhook()
+
     async def _run(self) -> web.StreamResponse:
         ex = self.ex
-        feed = self.splicer.feed
-        idle_armed = False
         try:
-            async for chunk in self.up.content.iter_any():
-                t = now_ns()
-                out = feed(chunk, t)
-                if not idle_armed and ex.t_first_token:
-                    self.watchdog.first_token()
-                    idle_armed = True
-                    if ex.on_first_token is not None:
-                        ex.on_first_token()
-                client = ex.response
-                if client is not None:
-                    if out:
-                        try:
-                            await client.write(out)
-                        except (ConnectionResetError, aiohttp.ClientConnectionResetError) as e:
-                            raise ClientGone() from e
-                        self.t_last_write = t
-                else:
-                    if out:
-                        self.held.append(out)
-                        self.held_bytes += len(out)
-                    if not self.hold or ex.t_first_token or ex.done or ex.error_type:
-                        await self._commit()
-                    elif self.held_bytes + len(self.splicer.pending) > self.max_event_bytes:
-                        raise EventTooLarge(self.held_bytes + len(self.splicer.pending),
-                                            self.max_event_bytes, "answer without a first token")
-                ex.overhead_ns += now_ns() - t
+            await self._pump()
         except asyncio.CancelledError:
             reason = self.watchdog.claim()
             if reason is None:
@@ -256,6 +360,10 @@ class Relay:
     def _client(self) -> web.StreamResponse:
         assert self.ex.response is not None, "committed"
         return self.ex.response
+
+    def _client_wire(self) -> ClientWire:
+        assert self.wire is not None, "committed"
+        return self.wire
 
     async def _too_large(self, e: EventTooLarge) -> web.StreamResponse:
         """Before commit a failed attempt (retried once: a second upstream may behave, a third

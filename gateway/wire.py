@@ -1,0 +1,205 @@
+"""The transport-level pieces of the relay: every aiohttp internal it relies on is here.
+
+The relay keeps aiohttp for the server (the client's request, response headers) and for the
+upstream request (connection pool, TLS, timing trace, response headers). What it takes over
+is the body of a streamed answer, both ways:
+
+- upstream: aiohttp's response protocol (an `asyncio.Protocol` whose `data_received` runs the
+  llhttp parser in C, chunked decoding included) delivers the body to the response's
+  StreamReader by calling its `feed_data`. `hook` turns that StreamReader into a sink: each
+  decoded piece of body goes straight to a callback, inside `data_received`, with no buffer,
+  no future and no task switch per read. Back-pressure is the protocol's own
+  `pause_reading()` / `resume_reading()` (the parser stops between two pieces of body, the
+  transport stops reading the socket). End of body and a lost connection reach the callbacks
+  as they reach the StreamReader, and the pooled connection is released at the end of the
+  body exactly as before.
+- client: once the response headers are out, body bytes are written to the client's transport
+  directly (chunk framing done here: one `transport.write` per upstream read), and the client
+  protocol's `writing_paused` says when to stop reading upstream.
+
+Everything here is synchronous and allocation-light; the one coroutine per stream (the Relay)
+only wakes at commit, under back-pressure and at the end. tests/test_wire.py pins the aiohttp
+behaviour this relies on, so that an aiohttp upgrade that changes it fails there first.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import aiohttp
+from aiohttp.streams import StreamReader
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+
+class BodySink(Protocol):
+    """What a hooked response body calls, from inside the upstream protocol's callbacks."""
+
+    def body_data(self, data: bytes) -> None: ...
+    def body_eof(self) -> None: ...
+    def body_error(self, exc: BaseException) -> None: ...
+
+
+# StreamReader has __slots__ (no instance dict), so the hooked reader finds its sink here;
+# an entry lives from `hook` to `unhook`.
+_SINKS: dict[StreamReader, BodySink] = {}
+
+
+class _HookedReader(StreamReader):
+    """A StreamReader whose body goes to a sink instead of its buffer. Same layout as
+    StreamReader (no slots of its own), so an existing reader can be switched to it and back
+    with `__class__`."""
+
+    __slots__ = ()
+
+    def feed_data(self, data: bytes, size: int = 0) -> bool:
+        if data:
+            _SINKS[self].body_data(data)
+        return False  # nothing more buffered here: the parser goes on
+
+    def feed_eof(self) -> None:
+        super().feed_eof()  # end-of-body callbacks: the pooled connection is released
+        sink = _SINKS.get(self)
+        if sink is not None:
+            sink.body_eof()
+
+    def set_exception(self, exc: BaseException, *args: Any, **kwargs: Any) -> None:
+        super().set_exception(exc, *args, **kwargs)
+        sink = _SINKS.get(self)
+        if sink is not None:
+            sink.body_error(exc)
+
+    # Chunk boundaries are only kept for readers of the buffer (iter_chunks); the sink has
+    # none, and keeping them would grow a deque by one entry per chunk of a long stream.
+    def begin_http_chunk_receiving(self) -> None:
+        pass
+
+    def end_http_chunk_receiving(self) -> None:
+        pass
+
+
+class UpstreamBody:
+    """The body of one upstream response, delivered to a sink as it is parsed; reading paused
+    and resumed for back-pressure."""
+
+    __slots__ = ("content", "protocol", "paused", "hooked", "outside_parser", "transport_paused")
+
+    def __init__(self, up: aiohttp.ClientResponse) -> None:
+        self.content = up.content
+        conn = up.connection
+        self.protocol = conn.protocol if conn is not None else None
+        self.paused = False
+        self.hooked = False
+        self.outside_parser = False  # delivering what was buffered before the hook
+        self.transport_paused = False
+
+    def hook(self, sink: BodySink) -> None:
+        """From now on the body goes to `sink`: first what aiohttp has buffered already (it
+        came with the headers), then, as it arrives, from inside `data_received`. An ended or
+        failed body is reported at once."""
+        content = self.content
+        exc = content.exception()
+        if exc is not None:
+            sink.body_error(exc)
+            return
+        if type(content) is not StreamReader:  # EMPTY_PAYLOAD: no body at all
+            sink.body_eof()
+            return
+        buffered = content.read_nowait(-1)
+        if content.is_eof():
+            if buffered:
+                sink.body_data(buffered)
+            sink.body_eof()
+            return
+        _SINKS[content] = sink
+        content.__class__ = _HookedReader
+        self.hooked = True
+        if buffered:
+            self.outside_parser = True
+            try:
+                sink.body_data(buffered)
+            finally:
+                self.outside_parser = False
+
+    def unhook(self) -> None:
+        """Back to a plain StreamReader (whatever arrives later is buffered, then dropped with
+        the connection)."""
+        if self.hooked:
+            self.hooked = False
+            content = self.content
+            content.__class__ = StreamReader
+            _SINKS.pop(content, None)
+
+    def pause(self) -> None:
+        """Stop reading the upstream: the parser stops after the piece of body it is
+        delivering, the transport stops reading the socket (TCP flow control does the rest).
+        Only from the sink's body_data (the parser's pause flag is reset by the parser when
+        the piece it delivers returns; set outside it, it would stop a later read for good).
+        Outside the parser (the bytes buffered before the hook) only the transport stops."""
+        proto = self.protocol
+        if self.paused or proto is None or self.content.is_eof():
+            return
+        self.paused = True
+        if self.outside_parser:
+            tr = proto.transport
+            if tr is not None:
+                self.transport_paused = True
+                tr.pause_reading()
+        else:
+            proto.pause_reading()
+
+    def resume(self) -> None:
+        """Read again: what the parser kept back is delivered now, re-entrantly (the sink may
+        pause again before this returns)."""
+        if not self.paused:
+            return
+        self.paused = False
+        proto = self.protocol
+        if proto is None or proto.transport is None:
+            return
+        if self.transport_paused:
+            self.transport_paused = False
+            proto.transport.resume_reading()
+        else:
+            proto.resume_reading()
+
+
+class ClientWire:
+    """Body bytes to the client's transport, after aiohttp sent the response headers."""
+
+    __slots__ = ("transport", "protocol", "chunked", "writer")
+
+    def __init__(self, request: web.Request, resp: web.StreamResponse) -> None:
+        self.transport = request.transport
+        self.protocol = request.protocol
+        self.chunked = resp.headers.get("Transfer-Encoding", "").lower() == "chunked"
+        self.writer = resp._payload_writer  # its drain() waits on the protocol's resume
+
+    @property
+    def closing(self) -> bool:
+        tr = self.transport
+        return tr is None or tr.is_closing()
+
+    def send(self, data: bytes) -> bool:
+        """Write `data` (framed as one chunk when the response is chunked). False when the
+        client's transport is gone or closing: nothing was written. The caller must not
+        write an empty `data` (a zero-length chunk ends the body)."""
+        tr = self.transport
+        if tr is None or tr.is_closing():
+            return False
+        tr.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        return True
+
+    @property
+    def full(self) -> bool:
+        """The client's write buffer is over its high-water mark (the transport paused the
+        protocol's writing)."""
+        return bool(self.protocol.writing_paused)
+
+    async def drain(self) -> None:
+        """Wait until the client has taken enough that writing may go on (or its connection
+        is lost: aiohttp raises a connection error)."""
+        writer = self.writer
+        if writer is not None:
+            await writer.drain()
+
