@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from gateway.slo import SLOPolicy
 from gateway.telemetry.otlp_metrics import OTLPMetrics
 from gateway.telemetry.prometheus import Metrics
 from gateway.telemetry.tracing import Tracing
+from gateway.workers import WorkerContext
 
 log = logging.getLogger("slogate")
 CONFIG_KEY = web.AppKey("config", Config)
@@ -42,10 +44,13 @@ DRAINING_KEY = web.AppKey("draining", asyncio.Event)
 ADMISSION_KEY: web.AppKey[AdmissionController | None] = web.AppKey("admission")
 SHARED_KEY = web.AppKey("shared_state", object)
 CONSOLE_KEY = web.AppKey("console", Console)
+# serve --workers N: this worker's place on the host (None: a single gateway)
+WORKER_KEY: web.AppKey[WorkerContext | None] = web.AppKey("worker")
 
 
 def build_app(cfg: Config, *, tracing: Tracing | None = None,
-              otlp_metrics: OTLPMetrics | None = None) -> web.Application:
+              otlp_metrics: OTLPMetrics | None = None,
+              worker: WorkerContext | None = None) -> web.Application:
     """The gateway app: the runtime policies (auth, SLO, router, admission) are built here from
     the config's data. `tracing`/`otlp_metrics` default to what the config and the standard
     OTEL_* variables say (tests pass their own exporters)."""
@@ -54,6 +59,7 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
     app = web.Application(client_max_size=cfg.server.max_body_bytes + 1)
     app[CONFIG_KEY] = cfg
     app[DRAINING_KEY] = asyncio.Event()
+    app[WORKER_KEY] = worker
     auth = AuthPolicy(cfg.auth)
     slo = SLOPolicy(cfg.slo)
     metrics = Metrics(cfg.slo.thresholds_s(), cfg.slo.classes, [b.name for b in cfg.backends])
@@ -75,12 +81,18 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
                             otlp_metrics or OTLPMetrics(cfg.telemetry), cfg.telemetry.prometheus,
                             console=recorder)
         app[FINISHER_KEY] = finisher
-        admission = shared = None
+        admission = None
+        shared: Any = None  # SharedState (Redis) or HostLocalState (--workers N)
         if cfg.admission.enabled:
             if cfg.admission.redis_url:
                 from gateway.admission.shared import SharedState  # imports redis only if used
 
                 shared = SharedState(cfg.admission, metrics)
+                if worker is not None:  # without Redis, the host's share holds host-wide
+                    shared.host = worker.slot_table()
+                await shared.start()
+            elif worker is not None:  # caps exact across this host's workers
+                shared = worker.host_admission()
                 await shared.start()
             admission = AdmissionController(cfg.admission, router, metrics, shared=shared)
             if shared is not None:
@@ -134,7 +146,9 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
     async def prometheus(request: web.Request) -> web.Response:
         # OpenMetrics when the scraper asks for it: that format carries exemplars (trace ids).
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-        body = encoder(request.app[METRICS_KEY].registry)
+        ctx = request.app[WORKER_KEY]
+        registry = request.app[METRICS_KEY].registry
+        body = ctx.exposition(registry, encoder) if ctx is not None else encoder(registry)
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def admission_state(request: web.Request) -> web.Response:
@@ -145,6 +159,9 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
                                 body=chat.error_body(e.status, e.message, e.code))
         ctrl = request.app[ADMISSION_KEY]
         body = ctrl.snapshot() if ctrl is not None else {"enabled": False}
+        ctx = request.app[WORKER_KEY]
+        if ctx is not None:
+            body = ctx.host_admission_view(body)
         return web.json_response(body, dumps=_dumps)
 
     async def healthz(request: web.Request) -> web.Response:
@@ -248,16 +265,20 @@ async def drain(app: web.Application, timeout_s: float) -> None:
 async def start(app: web.Application, cfg: Config, host: str,
                 port: int) -> tuple[web.AppRunner, listener.GuardedSite]:
     """Listen with the listener limits of [server] (header deadline, idle keep-alive timeout,
-    connection caps in total and per client address, descriptor budget)."""
+    connection caps in total and per client address, descriptor budget). A worker of
+    `--workers N` listens with SO_REUSEPORT and its share of the connection caps."""
     s = cfg.server
+    worker = app[WORKER_KEY]
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=s.drain_timeout_s + 5,
                            **listener.runner_kwargs(s))
     await runner.setup()
-    max_conns = listener.fd_budget(s.max_connections, sum(b.pool_size for b in cfg.backends))
-    guard = listener.ConnectionGuard(max_conns, s.max_connections_per_client,
-                                     s.header_timeout_s, app[METRICS_KEY])
-    site = listener.GuardedSite(runner, host, port, guard)
+    max_conns, per_client = s.max_connections, s.max_connections_per_client
+    if worker is not None:
+        max_conns, per_client = worker.split_connections(max_conns, per_client)
+    max_conns = listener.fd_budget(max_conns, sum(b.pool_size for b in cfg.backends))
+    guard = listener.ConnectionGuard(max_conns, per_client, s.header_timeout_s, app[METRICS_KEY])
+    site = listener.GuardedSite(runner, host, port, guard, reuse_port=worker is not None)
     try:
         await site.start()
     except OSError as e:  # one line for the user, and no unclosed upstream sessions
@@ -266,10 +287,10 @@ async def start(app: web.Application, cfg: Config, host: str,
     return runner, site
 
 
-async def serve(cfg: Config, host: str, port: int) -> None:
+async def serve(cfg: Config, host: str, port: int, worker: WorkerContext | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then drain: /readyz turns false, listening stops after the
     readiness grace, requests in flight get the drain timeout."""
-    app = build_app(cfg)
+    app = build_app(cfg, worker=worker)
     runner, site = await start(app, cfg, host, port)
     # Everything allocated so far lives for the process; keep the collector off it, and
     # collect the young generation less often (the relay allocates a little per read).
@@ -281,6 +302,8 @@ async def serve(cfg: Config, host: str, port: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if worker is not None:
+        background = _worker_tasks(app, worker, stop)
     await stop.wait()
     log.info("draining (up to %.0f s)", cfg.server.drain_timeout_s)
     app[DRAINING_KEY].set()
@@ -288,15 +311,40 @@ async def serve(cfg: Config, host: str, port: int) -> None:
         await asyncio.sleep(cfg.server.readiness_grace_s)
     await site.stop()  # no new connections
     await drain(app, cfg.server.drain_timeout_s)
+    if worker is not None:
+        for task in background:
+            task.cancel()
+        worker.publish(app[METRICS_KEY].registry, None)  # its last requests count too
     await runner.cleanup()
     log.info("stopped")
+
+
+def _worker_tasks(app: web.Application, worker: WorkerContext,
+                  stop: asyncio.Event) -> list[asyncio.Task[None]]:
+    """A worker publishes its metrics and admission view for the host, and stops (draining)
+    if its supervisor is gone."""
+    def snapshot() -> dict[str, Any] | None:
+        ctrl = app[ADMISSION_KEY]
+        return ctrl.snapshot() if ctrl is not None else None
+
+    async def orphaned(parent: int) -> None:
+        while os.getppid() == parent:
+            await asyncio.sleep(1.0)
+        log.warning("worker %d: supervisor gone; draining", worker.index)
+        stop.set()
+
+    return [asyncio.create_task(worker.publish_forever(app[METRICS_KEY].registry, snapshot)),
+            asyncio.create_task(orphaned(os.getppid()))]
 
 
 class ListenError(Exception):
     """The listening socket could not be opened (the message says where and why)."""
 
 
-def run(config_path: str, host: str | None = None, port: int | None = None) -> int:
+def run(config_path: str, host: str | None = None, port: int | None = None,
+        workers: int = 1, worker: str | None = None) -> int:
+    """`slogate serve`: one gateway, or (workers > 1) the supervisor of N workers
+    (gateway/workers.py); `worker` is the supervisor's spec for one of them."""
     setup_logging()
     try:
         cfg = config_mod.load(config_path)
@@ -305,8 +353,16 @@ def run(config_path: str, host: str | None = None, port: int | None = None) -> i
         return 2
     if not cfg.server.access_log:
         logging.getLogger("slogate.access").setLevel(logging.WARNING)
+    host = host or cfg.server.host
+    port = cfg.server.port if port is None else port
+    if workers > 1 and worker is None:
+        from gateway.workers import supervise
+
+        return supervise(os.path.abspath(config_path), host, port, workers,
+                         cfg.server.drain_timeout_s)
+    ctx = WorkerContext.parse(worker) if worker is not None else None
     try:
-        asyncio.run(serve(cfg, host or cfg.server.host, cfg.server.port if port is None else port))
+        asyncio.run(serve(cfg, host, port, ctx))
     except ListenError as e:
         print(f"slogate: {e}", file=sys.stderr)
         return 2
