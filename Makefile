@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 DURATION ?=
 STAMP := $(VENV)/.slogate-installed
 
-.PHONY: demo lint test bench bench-goodput soak serve sim system-deps clean
+.PHONY: demo lint test bench bench-goodput bench-workers deploy-generate soak serve sim system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,11 +36,20 @@ lint: $(STAMP)
 
 test: lint $(STAMP) system-deps dashboards/schema-check/node_modules
 	bash scripts/install-llamacpp.sh $(PY)
+	bash scripts/install-kustomize.sh $(PY)
 	$(PY) -m pytest
 
 # Streaming overhead, gateway vs direct (BENCH_ARGS=--quick for a smoke run).
 bench: $(STAMP)
 	$(PY) -m benchmarks.overhead --out bench-results/overhead.json --markdown bench-results/overhead.md $(BENCH_ARGS)
+
+# Throughput with --workers 1 and 2 at 64 and 256 streams (gateway CPU per token, share per worker).
+bench-workers: $(STAMP)
+	$(PY) -m benchmarks.workers --out bench-results/workers.json --markdown bench-results/workers.md
+
+# Kubernetes: regenerate deploy/'s monitoring files from dashboards/ (one source).
+deploy-generate: $(STAMP)
+	$(PY) deploy/generate.py
 
 # Goodput with SLO-aware admission vs pass-through under overload (QUICK=1 for a smoke run).
 bench-goodput: $(STAMP)
