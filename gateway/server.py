@@ -361,6 +361,8 @@ def run(config_path: str, host: str | None = None, port: int | None = None,
         return supervise(os.path.abspath(config_path), host, port, workers,
                          cfg.server.drain_timeout_s)
     ctx = WorkerContext.parse(worker) if worker is not None else None
+    if ctx is not None:
+        ctx.label_logs()
     try:
         asyncio.run(serve(cfg, host, port, ctx))
     except ListenError as e:

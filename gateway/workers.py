@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from gateway.admission.hostlocal import HostLocalState, SlotTable
 from gateway.telemetry import aggregate
@@ -108,6 +109,13 @@ class WorkerContext:
         """Admission caps shared by the host's workers (no Redis configured)."""
         return HostLocalState(self.slot_table(), self.admission_dir)
 
+    def label_logs(self) -> None:
+        """This worker's log lines say which worker wrote them (the access log stays JSON)."""
+        fmt = logging.Formatter(f"%(asctime)s %(levelname)s %(name)s[w{self.index}]: "
+                                "%(message)s")
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(fmt)
+
     def split_connections(self, max_connections: int, per_client: int) -> tuple[int, int]:
         """This worker's share of the listener caps (see the module docstring)."""
         return (max(1, max_connections // self.count),
@@ -118,10 +126,10 @@ class WorkerContext:
 
     def publish(self, registry: Any, admission: dict[str, Any] | None) -> None:
         aggregate.publish(self.metrics_dir, aggregate.worker_file(self.index),
-                          aggregate.exposition(registry))
+                          aggregate.snapshot(registry))
         aggregate.publish(self.admission_dir, f"w{self.index}.json", orjson.dumps(
             {"worker": self.index, "pid": os.getpid(), "t": time.time(),
-             "admission": admission}).decode())
+             "admission": admission}))
 
     async def publish_forever(self, registry: Any, snapshot: Any) -> None:
         while True:
@@ -232,19 +240,16 @@ class Supervisor:
 
     def _publish(self) -> None:
         alive = sum(1 for w in self.workers if w.proc is not None and w.proc.returncode is None)
-        text = (
-            "# TYPE slogate_worker_restarts counter\n"
-            "# HELP slogate_worker_restarts Worker processes restarted by the supervisor after "
-            "they exited.\n"
-            f"slogate_worker_restarts_total {self.restarts}\n"
-            "# TYPE slogate_workers gauge\n"
-            "# HELP slogate_workers Worker processes running on this host.\n"
-            f"slogate_workers {alive}\n"
-            "# TYPE slogate_workers_configured gauge\n"
-            "# HELP slogate_workers_configured Worker processes configured (--workers).\n"
-            f"slogate_workers_configured {self.count}\n"
-            "# EOF\n")
-        aggregate.publish(os.path.join(self.run_dir, "metrics"), aggregate.SUPERVISOR, text)
+        restarts = CounterMetricFamily(
+            "slogate_worker_restarts", "Worker processes restarted by the supervisor after "
+            "they exited.", value=self.restarts)
+        running = GaugeMetricFamily("slogate_workers", "Worker processes running on this host.",
+                                    value=alive)
+        configured = GaugeMetricFamily("slogate_workers_configured",
+                                       "Worker processes configured (--workers).",
+                                       value=self.count)
+        aggregate.publish(os.path.join(self.run_dir, "metrics"), aggregate.SUPERVISOR,
+                          aggregate.dump([restarts, running, configured]))
 
     async def _watch(self, w: _Worker) -> None:
         """Restart worker `w` whenever it exits while the host serves."""

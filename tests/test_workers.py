@@ -104,10 +104,10 @@ def test_merge_sums_counters_and_histograms_and_keeps_per_worker_gauges(tmp_path
     d = tmp_path / "metrics"
     d.mkdir()
     for i in (1, 2):
-        aggregate.publish(d, aggregate.worker_file(i), aggregate.exposition(ms[i].registry))
+        aggregate.publish(d, aggregate.worker_file(i), aggregate.snapshot(ms[i].registry))
     # worker 2 dies: its counters stay, its gauges go
     aggregate.fold_dead(str(d), 2)
-    assert not (d / "w2.om").exists() and (d / aggregate.DEAD).exists()
+    assert not (d / "w2.json").exists() and (d / aggregate.DEAD).exists()
     body = aggregate.host_exposition(ms[0].registry, 0, str(d),
                                      generate_latest)
     v = _values(body.decode())
@@ -127,7 +127,8 @@ def test_merge_sums_counters_and_histograms_and_keeps_per_worker_gauges(tmp_path
     assert v[("slogate_worker_requests_total", (("worker", "0"),))] == 1
     assert v[("slogate_worker_requests_total", (("worker", "dead"),))] == 3
     # OpenMetrics keeps exemplars through the merge
-    om = aggregate.host_exposition(ms[0].registry, 0, str(d), aggregate.om_latest).decode()
+    om = aggregate.host_exposition(ms[0].registry, 0, str(d),
+                                   aggregate.render_openmetrics).decode()
     assert 'trace_id="t0"' in om and 'trace_id="t2"' in om
 
 
