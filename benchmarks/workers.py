@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench-results/workers.json")
     ap.add_argument("--markdown")
     ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds over the worker counts, interleaved (the table shows medians "
+                         "and ranges: on a shared machine one round is noisy)")
     args = ap.parse_args(argv)
     worker_counts = [int(w) for w in args.workers.split(",")]
     streams = [int(s) for s in args.streams.split(",")]
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sim = procs.start("sim", sim_argv, None)
         wait_http(procs, "sim", f"http://{host}:{sim_port}/v1/models")
-        for w in worker_counts:
+        for rnd, w in [(r, w) for r in range(args.repeat) for w in worker_counts]:
             gw_port = free_port(host)
             cfg = tmp / f"gateway-{w}.toml"
             cfg.write_text(gateway_config(host, gw_port, sim_port, max(256, 2 * max(streams)),
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                 if status != 200 or n != args.tokens:
                     raise RuntimeError(f"probe via {path}: HTTP {status}, {n} events")
             for n in streams:
-                point: dict[str, Any] = {"workers": w, "streams": n}
+                point: dict[str, Any] = {"workers": w, "streams": n, "round": rnd}
                 for path in ("direct", "gateway"):
                     spec = {"path": f"{path}-w{w}", "url": urls[path], "streams": n,
                             "warmup": args.warmup, "duration": args.duration,
@@ -179,22 +182,43 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def _cell(xs: list[float], fmt: str) -> str:
+    if len(xs) == 1:
+        return format(xs[0], fmt)
+    return f"{format(_median(xs), fmt)} ({format(min(xs), fmt)}–{format(max(xs), fmt)})"
+
+
 def render(results: dict[str, Any]) -> str:
     m = results["meta"]
+    groups: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for p in results["points"]:
+        groups.setdefault((p["workers"], p["streams"]), []).append(p)
+    rounds = max(len(g) for g in groups.values())
     lines = [f"{m['tokens']} tokens at {m['token_ms']:g} ms/token, {m['duration_s']:g} s per "
              f"point; {m['cpus']} CPUs ({m['cpu_model']}), {m['placement']}; load avg at start "
-             f"{m['loadavg_start']}.", "",
+             f"{m['loadavg_start']}." + (f" {rounds} interleaved rounds: median (min–max)."
+                                          if rounds > 1 else ""), "",
              "| workers | streams | direct tok/s | gateway tok/s | vs direct | gateway µs/token "
              "| gateway CPU % | share of requests per worker | sim CPU % | load gen CPU % |",
              "|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
-    for p in results["points"]:
-        share = ", ".join(f"{v * 100:.0f}%" for k, v in p["share"].items() if k != "dead")
+    for (w, n), ps in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        shares = sorted({k for p in ps for k in p["share"] if k != "dead"})
+        share = ", ".join(_cell([p["share"].get(k, 0.0) * 100 for p in ps], ".0f") + "%"
+                          for k in shares)
         lines.append(
-            f"| {p['workers']} | {p['streams']} | {p['direct']['tokens_per_s']:.0f} "
-            f"| {p['gateway']['tokens_per_s']:.0f} | {p['tokens_per_s_ratio']:.3f}× "
-            f"| {p['gateway_cpu_us_per_token']:.1f} | {p['gateway_cpu_util'] * 100:.0f} "
-            f"| {share} | {(p['sim_cpu_util'] or 0) * 100:.0f} "
-            f"| {(p['client_cpu_util'] or 0) * 100:.0f} |")
+            f"| {w} | {n} | {_cell([p['direct']['tokens_per_s'] for p in ps], '.0f')} "
+            f"| {_cell([p['gateway']['tokens_per_s'] for p in ps], '.0f')} "
+            f"| {_cell([p['tokens_per_s_ratio'] for p in ps], '.2f')}× "
+            f"| {_cell([p['gateway_cpu_us_per_token'] for p in ps], '.1f')} "
+            f"| {_cell([p['gateway_cpu_util'] * 100 for p in ps], '.0f')} "
+            f"| {share} | {_cell([(p['sim_cpu_util'] or 0) * 100 for p in ps], '.0f')} "
+            f"| {_cell([(p['client_cpu_util'] or 0) * 100 for p in ps], '.0f')} |")
     return "\n".join(lines)
 
 
