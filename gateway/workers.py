@@ -26,9 +26,12 @@ admission snapshot, for /admin/admission's host view and the other workers' pref
 
 Listener limits stay per worker (each worker's aiohttp site has its own guard):
 `max_connections` is split evenly (floor(max / N) per worker, so the host never holds more than
-configured), `max_connections_per_client` too but rounded up (ceil(max / N)): the kernel hashes
-a client's connections across workers by source port, so that cap is approximate (±1 per worker)
-on a multi-worker host. The descriptor budget is per process, as before.
+configured). `max_connections_per_client` is split with a margin: the kernel hashes a client's
+connections over the workers by source port, so a client at its cap has a binomial share on
+each worker; each worker allows cap/N plus three standard deviations of that share (256 over 2
+workers: 152 each), so a client within its cap is not refused for an uneven hash, and a host
+holds at most N × that (1.19× the cap for 256 over 2). The descriptor budget is per process,
+as before.
 """
 from __future__ import annotations
 
@@ -118,8 +121,10 @@ class WorkerContext:
 
     def split_connections(self, max_connections: int, per_client: int) -> tuple[int, int]:
         """This worker's share of the listener caps (see the module docstring)."""
-        return (max(1, max_connections // self.count),
-                math.ceil(per_client / self.count) if per_client else 0)
+        n = self.count
+        share = per_client / n + 3 * math.sqrt(per_client * (1 / n) * (1 - 1 / n))
+        return (max(1, max_connections // n),
+                min(per_client, math.ceil(share)) if per_client else 0)
 
     def exposition(self, registry: Any, encoder: Any) -> bytes:
         return aggregate.host_exposition(registry, self.index, self.metrics_dir, encoder)

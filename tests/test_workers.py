@@ -140,7 +140,9 @@ def test_workers_argument() -> None:
             parse_workers(bad)
     assert cli.main(["serve", "--config", "/nonexistent.toml", "--workers", "0"]) == 2
     ctx = WorkerContext("/tmp/x", 1, 4)
-    assert ctx.split_connections(4096, 256) == (1024, 64)
+    assert ctx.split_connections(4096, 256) == (1024, 85)  # 64 + 3 sigma of Binomial(256, 1/4)
+    assert WorkerContext("/tmp/x", 0, 2).split_connections(4096, 256) == (2048, 152)
+    assert WorkerContext("/tmp/x", 0, 2).split_connections(4096, 4) == (2048, 4)
     assert ctx.split_connections(3, 0) == (1, 0)
     assert WorkerContext.parse("/tmp/a,b,2,3") == WorkerContext("/tmp/a,b", 2, 3)
 
