@@ -358,3 +358,60 @@ async def test_a_taken_port_stops_the_supervisor_with_one_line(tmp_path: Path) -
             "--port", str(port)], capture_output=True, text=True, timeout=30)
     assert r.returncode == 2, r.stderr
     assert f"cannot listen on 127.0.0.1:{port}: address already in use" in r.stderr
+
+
+async def _peak_with_redis(url: str, state: str, cap: int) -> int:
+    """2 workers with `redis_url = url`, redis_share 0.5: once both workers are in `state`,
+    16 streams; returns the most the simulator held at once."""
+    async with slogate("sim", "--decode-base-ms", "20", "--decode-per-seq-ms", "0",
+                       ready_path="/health") as sim:
+        cfg = Path(tempfile.mkstemp(prefix="slogate-workers-", suffix=".toml")[1])
+        cfg.write_text(CONFIG.format(sim=sim.url, cap=cap).replace(
+            "[admission]\nenabled = true\n",
+            f'[admission]\nenabled = true\nredis_url = "{url}"\nredis_share = 0.5\n'
+            "lease_s = 1.0\n"))
+        try:
+            async with slogate("serve", "--config", str(cfg), "--workers", "2",
+                               ready_path="/readyz") as gw, \
+                    aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+                h = Host(sim, gw, s)
+
+                async def ready() -> bool:
+                    w = (await h.admission())["host"]["by_worker"]
+                    return len(w) == 2 and all(
+                        v["admission"]["shared"]["state"] == state for v in w.values())
+
+                await wait_until(ready, 10, interval=0.1, what=f"both workers {state}")
+                peak = 0
+                stop = asyncio.Event()
+
+                async def watch() -> None:
+                    nonlocal peak
+                    while not stop.is_set():
+                        peak = max(peak, await h.at_sim())
+                        await asyncio.sleep(0.005)
+
+                watcher = asyncio.create_task(watch())
+                results = await asyncio.gather(*[h.stream(30) for _ in range(16)])
+                stop.set()
+                await watcher
+                assert all(r["status"] == 200 and r["done"] for r in results), results
+                if state == "local":  # the host's fallback share lives in the slot table
+                    slots = (await h.admission())["host"]["slots"]["redis-fallback:sim"]
+                    assert slots["total"] == 0 and len(slots["by_worker"]) == 2, slots
+                return peak
+        finally:
+            cfg.unlink(missing_ok=True)
+
+
+async def test_workers_with_redis_share_caps_there_and_bound_the_fallback_host_wide() -> None:
+    """With Redis, each worker is one gateway in Redis (the cap holds across workers); with
+    Redis unreachable, the fallback share floor(cap x redis_share) holds for the host, not
+    per worker."""
+    from prometheus_server import free_port
+    from redis_server import redis_server
+
+    with redis_server() as rs:
+        assert await _peak_with_redis(rs.url, "redis", 4) == 4
+    dead_url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    assert await _peak_with_redis(dead_url, "local", 4) == 2  # not 2 workers x 2
