@@ -16,7 +16,12 @@ holds exactly on the host — never N× the configured cap:
 A worker that dies frees its slots when the supervisor clears its column (before it starts the
 replacement), so a SIGKILLed worker never leaks capacity. Any admission rule that needs "at most
 C at once, host-wide" (per-tenant concurrency quotas, say) can use its own keys in the same
-table: `try_acquire(f"tenant:{name}", quota)` on admit, `release(...)` in finish.
+table: `try_acquire(f"tenant:{name}", quota)` on admit, `release(...)` in finish. In
+server.build_app the table is `worker.slot_table()` when `worker` (a workers.WorkerContext) is
+not None; a single gateway has no table and counts in memory as before. Key prefixes in use:
+`backend:` (HostLocalState) and `redis-fallback:` (shared.SharedState while Redis is down).
+The table holds at most MAX_KEYS keys of KEY_BYTES each: keys must be a bounded set (configured
+tenants, backends), never a client-chosen string.
 
 **HostLocalState** puts the table behind the interface the admission controller already speaks
 to Redis through (`shared.SharedState`: try_acquire / release / move / remote_prefill_tokens /
