@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -217,7 +218,8 @@ class Supervisor:
     async def _start(self, w: _Worker) -> None:
         w.proc = await asyncio.create_subprocess_exec(
             *self._argv(w.index), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True)
+            stderr=subprocess.STDOUT, start_new_session=True,
+            env=worker_env(os.environ, w.index))
         w.started = time.monotonic()
         assert w.proc.stdout is not None
         w.relay = asyncio.create_task(self._relay(w.proc.stdout))
@@ -327,6 +329,19 @@ class Supervisor:
     def cleanup(self) -> None:
         self.table.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def worker_env(env: Mapping[str, str], index: int) -> dict[str, str]:
+    """A worker's environment: the supervisor's, with a `service.instance.id` of its own in
+    OTEL_RESOURCE_ATTRIBUTES (the operator's, if set, with `/w<index>` appended), so the OTLP
+    metrics of N workers are N series, not one series written by N processes."""
+    out = dict(env)
+    pairs = [p for p in out.get("OTEL_RESOURCE_ATTRIBUTES", "").split(",") if "=" in p]
+    attrs = dict(p.split("=", 1) for p in pairs)
+    base = attrs.get("service.instance.id") or f"{socket.gethostname()}:{os.getpid()}"
+    attrs["service.instance.id"] = f"{base}/w{index}"
+    out["OTEL_RESOURCE_ATTRIBUTES"] = ",".join(f"{k}={v}" for k, v in attrs.items())
+    return out
 
 
 def _describe_status(status: int) -> str:

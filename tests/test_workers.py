@@ -24,7 +24,7 @@ from gateway import cli
 from gateway.admission.hostlocal import SlotTable
 from gateway.telemetry import aggregate
 from gateway.telemetry.prometheus import Metrics
-from gateway.workers import WorkerContext, parse_workers
+from gateway.workers import WorkerContext, parse_workers, worker_env
 from procs import Proc, slogate
 from waiting import wait_until
 
@@ -145,6 +145,18 @@ def test_workers_argument() -> None:
     assert WorkerContext("/tmp/x", 0, 2).split_connections(4096, 4) == (2048, 4)
     assert ctx.split_connections(3, 0) == (1, 0)
     assert WorkerContext.parse("/tmp/a,b,2,3") == WorkerContext("/tmp/a,b", 2, 3)
+    env = worker_env({"OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=prod,"
+                      "service.instance.id=pod-7", "X": "y"}, 1)
+    assert env["OTEL_RESOURCE_ATTRIBUTES"] == \
+        "deployment.environment=prod,service.instance.id=pod-7/w1" and env["X"] == "y"
+    from opentelemetry.sdk.resources import Resource
+
+    os.environ["OTEL_RESOURCE_ATTRIBUTES"] = worker_env({}, 0)["OTEL_RESOURCE_ATTRIBUTES"]
+    try:
+        rid = Resource.create({"service.name": "slogate"}).attributes["service.instance.id"]
+    finally:
+        del os.environ["OTEL_RESOURCE_ATTRIBUTES"]
+    assert str(rid).endswith(f":{os.getpid()}/w0")
 
 
 # -- real workers ----------------------------------------------------------------------------
