@@ -427,3 +427,48 @@ async def test_workers_with_redis_share_caps_there_and_bound_the_fallback_host_w
         assert await _peak_with_redis(rs.url, "redis", 4) == 4
     dead_url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     assert await _peak_with_redis(dead_url, "local", 4) == 2  # not 2 workers x 2
+
+
+async def test_workers_drain_and_exit_when_their_supervisor_is_killed(tmp_path: Path) -> None:
+    from procs import free_port, wait_ready
+
+    cfg = tmp_path / "gw.toml"
+    cfg.write_text(CONFIG.format(sim="http://127.0.0.1:9", cap=CAP))
+    port = free_port()
+    log = tmp_path / "gw.log"
+    with open(log, "wb") as out:
+        sup = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(cfg),
+                                "--workers", "2", "--port", str(port)],
+                               stdout=out, stderr=subprocess.STDOUT)
+    try:
+        await wait_ready(f"http://127.0.0.1:{port}/healthz", sup, log)
+
+        def workers() -> list[int]:
+            out = []
+            for task in Path(f"/proc/{sup.pid}/task").glob("*"):
+                with contextlib.suppress(OSError):
+                    out += [int(c) for c in (task / "children").read_text().split()]
+            return out
+
+        async def both() -> bool:
+            return len(workers()) == 2
+
+        await wait_until(both, 10, interval=0.1, what="two workers")
+        pids = workers()
+        sup.kill()
+        sup.wait()
+
+        def alive(pid: int) -> bool:
+            try:  # a zombie (exited, not yet reaped by init) counts as gone
+                return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+            except OSError:
+                return False
+
+        async def gone() -> bool:
+            return not any(alive(p) for p in pids)
+
+        await wait_until(gone, 10, interval=0.1, what="the orphaned workers to exit")
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait()
