@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import os
 import signal
 import sys
 from collections.abc import Callable
@@ -327,14 +326,14 @@ def _worker_tasks(app: web.Application, worker: WorkerContext,
         ctrl = app[ADMISSION_KEY]
         return ctrl.snapshot() if ctrl is not None else None
 
-    async def orphaned(parent: int) -> None:
-        while os.getppid() == parent:
+    async def orphaned() -> None:
+        while not worker.orphaned():
             await asyncio.sleep(1.0)
         log.warning("worker %d: supervisor gone; draining", worker.index)
         stop.set()
 
     return [asyncio.create_task(worker.publish_forever(app[METRICS_KEY].registry, snapshot)),
-            asyncio.create_task(orphaned(os.getppid()))]
+            asyncio.create_task(orphaned())]
 
 
 class ListenError(Exception):
@@ -358,8 +357,7 @@ def run(config_path: str, host: str | None = None, port: int | None = None,
     if workers > 1 and worker is None:
         from gateway.workers import supervise
 
-        return supervise(os.path.abspath(config_path), host, port, workers,
-                         cfg.server.drain_timeout_s)
+        return supervise(config_path, host, port, workers, cfg.server.drain_timeout_s)
     ctx = WorkerContext.parse(worker) if worker is not None else None
     if ctx is not None:
         ctx.label_logs()

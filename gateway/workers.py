@@ -89,12 +89,17 @@ class WorkerContext:
     run_dir: str
     index: int
     count: int
+    supervisor: int = 0  # its pid: a worker whose parent is another one is orphaned
     table: SlotTable | None = field(default=None, repr=False)
 
     @classmethod
     def parse(cls, spec: str) -> WorkerContext:
-        run_dir, index, count = spec.rsplit(",", 2)
-        return cls(run_dir, int(index), int(count))
+        run_dir, index, count, supervisor = spec.rsplit(",", 3)
+        return cls(run_dir, int(index), int(count), int(supervisor))
+
+    def orphaned(self) -> bool:
+        """The supervisor is gone (even if it died before this worker got this far)."""
+        return os.getppid() != self.supervisor
 
     @property
     def metrics_dir(self) -> str:
@@ -213,7 +218,7 @@ class Supervisor:
     def _argv(self, index: int) -> list[str]:
         return [sys.executable, "-m", "gateway", "serve", "--config", self.config_path,
                 "--host", self.host, "--port", str(self.port),
-                "--worker", f"{self.run_dir},{index},{self.count}"]
+                "--worker", f"{self.run_dir},{index},{self.count},{os.getpid()}"]
 
     async def _start(self, w: _Worker) -> None:
         w.proc = await asyncio.create_subprocess_exec(
@@ -358,7 +363,7 @@ def supervise(config_path: str, host: str, port: int, count: int,
     """Run N workers until SIGTERM; returns the exit status."""
     from gateway.netdiag import describe_listen_error
 
-    sup = Supervisor(config_path, host, port, count, drain_timeout_s)
+    sup = Supervisor(os.path.abspath(config_path), host, port, count, drain_timeout_s)
     try:
         try:
             sock = sup.reserve_port()

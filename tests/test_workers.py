@@ -144,7 +144,9 @@ def test_workers_argument() -> None:
     assert WorkerContext("/tmp/x", 0, 2).split_connections(4096, 256) == (2048, 152)
     assert WorkerContext("/tmp/x", 0, 2).split_connections(4096, 4) == (2048, 4)
     assert ctx.split_connections(3, 0) == (1, 0)
-    assert WorkerContext.parse("/tmp/a,b,2,3") == WorkerContext("/tmp/a,b", 2, 3)
+    assert WorkerContext.parse("/tmp/a,b,2,3,77") == WorkerContext("/tmp/a,b", 2, 3, 77)
+    assert WorkerContext("/tmp", 0, 2, os.getppid()).orphaned() is False
+    assert WorkerContext("/tmp", 0, 2, os.getpid()).orphaned() is True
     env = worker_env({"OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=prod,"
                       "service.instance.id=pod-7", "X": "y"}, 1)
     assert env["OTEL_RESOURCE_ATTRIBUTES"] == \
