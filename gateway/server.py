@@ -304,6 +304,8 @@ async def serve(cfg: Config, host: str, port: int, worker: WorkerContext | None 
     if worker is not None:
         background = _worker_tasks(app, worker, stop)
     await stop.wait()
+    if worker is not None:  # a worker never outlives its supervisor's stop
+        worker.exit_if_stuck(cfg.server.readiness_grace_s + cfg.server.drain_timeout_s + 10)
     log.info("draining (up to %.0f s)", cfg.server.drain_timeout_s)
     app[DRAINING_KEY].set()
     if cfg.server.readiness_grace_s:
@@ -357,7 +359,8 @@ def run(config_path: str, host: str | None = None, port: int | None = None,
     if workers > 1 and worker is None:
         from gateway.workers import supervise
 
-        return supervise(config_path, host, port, workers, cfg.server.drain_timeout_s)
+        return supervise(config_path, host, port, workers, cfg.server.drain_timeout_s,
+                         cfg.server.readiness_grace_s)
     ctx = WorkerContext.parse(worker) if worker is not None else None
     if ctx is not None:
         ctx.label_logs()

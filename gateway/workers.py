@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import math
 import os
@@ -46,6 +47,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -62,6 +64,7 @@ log = logging.getLogger("slogate")
 
 PUBLISH_INTERVAL_S = 1.0
 RESTART_BACKOFF_MAX_S = 30.0
+STOP_MARGIN_S = 15.0  # beyond readiness grace + drain: then a stopping worker is killed
 
 
 def parse_workers(text: str) -> int:
@@ -96,6 +99,20 @@ class WorkerContext:
     def parse(cls, spec: str) -> WorkerContext:
         run_dir, index, count, supervisor = spec.rsplit(",", 3)
         return cls(run_dir, int(index), int(count), int(supervisor))
+
+    def exit_if_stuck(self, after_s: float) -> None:
+        """Shutdown has begun: if this process is still here `after_s` later (something in
+        its shutdown hangs), dump every thread's stack to the log and exit, so that a worker
+        never outlives its supervisor's stop."""
+        def stuck() -> None:
+            log.error("worker %d: still shutting down after %.0f s; exiting (stacks below)",
+                      self.index, after_s)
+            faulthandler.dump_traceback(all_threads=True)
+            os._exit(1)
+
+        timer = threading.Timer(after_s, stuck)
+        timer.daemon = True
+        timer.start()
 
     def orphaned(self) -> bool:
         """The supervisor is gone (even if it died before this worker got this far)."""
@@ -183,12 +200,13 @@ class _Worker:
 
 class Supervisor:
     def __init__(self, config_path: str, host: str, port: int, count: int,
-                 drain_timeout_s: float) -> None:
+                 drain_timeout_s: float, grace_s: float = 0.0) -> None:
         self.config_path = config_path
         self.host = host
         self.port = port
         self.count = count
         self.drain_timeout_s = drain_timeout_s
+        self.grace_s = grace_s  # readiness grace: a worker stops within grace + drain
         self.run_dir = tempfile.mkdtemp(prefix="slogate-workers-")
         for sub in ("metrics", "admission"):
             os.mkdir(os.path.join(self.run_dir, sub))
@@ -317,6 +335,18 @@ class Supervisor:
             if w.proc is not None and w.proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     w.proc.send_signal(signal.SIGTERM)
+        asyncio.get_running_loop().call_later(self.stop_timeout_s(), self._kill_stragglers)
+
+    def stop_timeout_s(self) -> float:
+        return self.grace_s + self.drain_timeout_s + STOP_MARGIN_S
+
+    def _kill_stragglers(self) -> None:
+        for w in self.workers:
+            if w.proc is not None and w.proc.returncode is None:
+                log.error("worker %d (pid %d) did not stop within %.0f s; killing it", w.index,
+                          w.proc.pid, self.stop_timeout_s())
+                with contextlib.suppress(ProcessLookupError):
+                    w.proc.kill()
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -359,11 +389,12 @@ def _describe_status(status: int) -> str:
 
 
 def supervise(config_path: str, host: str, port: int, count: int,
-              drain_timeout_s: float) -> int:
+              drain_timeout_s: float, grace_s: float = 0.0) -> int:
     """Run N workers until SIGTERM; returns the exit status."""
     from gateway.netdiag import describe_listen_error
 
-    sup = Supervisor(os.path.abspath(config_path), host, port, count, drain_timeout_s)
+    sup = Supervisor(os.path.abspath(config_path), host, port, count, drain_timeout_s,
+                     grace_s)
     try:
         try:
             sock = sup.reserve_port()

@@ -474,3 +474,14 @@ async def test_workers_drain_and_exit_when_their_supervisor_is_killed(tmp_path: 
         if sup.poll() is None:
             sup.kill()
             sup.wait()
+
+
+def test_a_worker_stuck_in_shutdown_exits_with_its_stacks() -> None:
+    code = ("import logging, time; logging.basicConfig(); "
+            "from gateway.workers import WorkerContext; "
+            "WorkerContext('/tmp', 3, 4, 1).exit_if_stuck(0.2); time.sleep(30)")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
+    assert r.returncode == 1 and time.monotonic() - t0 < 10
+    assert "worker 3: still shutting down after 0 s" in r.stderr
+    assert "time.sleep" in r.stderr or "<string>" in r.stderr  # the stuck stack
