@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 DURATION ?=
 STAMP := $(VENV)/.slogate-installed
 
-.PHONY: demo lint test bench bench-slow bench-goodput soak serve sim system-deps clean
+.PHONY: demo lint test bench bench-slow bench-goodput bench-workers deploy-generate soak serve sim system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,7 @@ lint: $(STAMP)
 
 test: lint $(STAMP) system-deps dashboards/schema-check/node_modules
 	bash scripts/install-llamacpp.sh $(PY)
+	bash scripts/install-kustomize.sh $(PY)
 	$(PY) -m pytest
 
 # Streaming overhead, gateway and nginx vs direct (BENCH_ARGS=--quick for a smoke run;
@@ -46,6 +47,14 @@ bench: $(STAMP)
 # Long-lived slow streams (1,000 and 5,000 at one token per second): CPU and RSS per stream.
 bench-slow: $(STAMP)
 	$(PY) -m benchmarks.overhead --slow 1000,5000 --out bench-results/slow.json --markdown bench-results/slow.md $(BENCH_ARGS)
+
+# Throughput with --workers 1 and 2 at 64 and 256 streams (gateway CPU per token, share per worker).
+bench-workers: $(STAMP)
+	$(PY) -m benchmarks.workers --out bench-results/workers.json --markdown bench-results/workers.md
+
+# Kubernetes: regenerate deploy/'s monitoring files from dashboards/ (one source).
+deploy-generate: $(STAMP)
+	$(PY) deploy/generate.py
 
 # Goodput with SLO-aware admission vs pass-through under overload (QUICK=1 for a smoke run).
 bench-goodput: $(STAMP)

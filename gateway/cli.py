@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, help="TOML config file")
     serve.add_argument("--host", help="listen address (overrides [server].host)")
     serve.add_argument("--port", type=int, help="listen port (overrides [server].port)")
+    serve.add_argument("--workers", default="1", metavar="N",
+                       help="worker processes on one port (SO_REUSEPORT) under a supervisor "
+                       "that restarts them and drains them all on SIGTERM; 'auto' = the "
+                       "cores this process may use (default 1: a single process)")
+    serve.add_argument("--worker", help=argparse.SUPPRESS)  # the supervisor's, for one worker
 
     check = sub.add_parser("check", help="validate a config and print it resolved",
                            description="Validate a config file as `serve` would (environment "
@@ -124,9 +129,15 @@ def main(argv: list[str] | None = None) -> int:
         from gateway import demo
 
         return demo.run(args.duration, args.port, args.sim_port, args.concurrency)
-    from gateway import server
+    from gateway import server, workers
 
-    return server.run(args.config, host=args.host, port=args.port)
+    try:
+        n = workers.parse_workers(args.workers)
+    except ValueError as e:
+        print(f"slogate: {e}", file=sys.stderr)
+        return 2
+    return server.run(args.config, host=args.host, port=args.port, workers=n,
+                      worker=args.worker)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -31,6 +31,7 @@ from gateway.slo import SLOPolicy
 from gateway.telemetry.otlp_metrics import OTLPMetrics
 from gateway.telemetry.prometheus import Metrics
 from gateway.telemetry.tracing import Tracing
+from gateway.workers import WorkerContext
 
 log = logging.getLogger("slogate")
 CONFIG_KEY = web.AppKey("config", Config)
@@ -43,10 +44,13 @@ ADMISSION_KEY: web.AppKey[AdmissionController | None] = web.AppKey("admission")
 SHARED_KEY = web.AppKey("shared_state", object)
 CONSOLE_KEY = web.AppKey("console", Console)
 ADMIN_APP_KEY = web.AppKey("admin_app", web.Application)  # with [server] admin_port
+# serve --workers N: this worker's place on the host (None: a single gateway)
+WORKER_KEY: web.AppKey[WorkerContext | None] = web.AppKey("worker")
 
 
 def build_app(cfg: Config, *, tracing: Tracing | None = None,
-              otlp_metrics: OTLPMetrics | None = None) -> web.Application:
+              otlp_metrics: OTLPMetrics | None = None,
+              worker: WorkerContext | None = None) -> web.Application:
     """The gateway app: the runtime policies (auth, SLO, router, admission) are built here from
     the config's data. `tracing`/`otlp_metrics` default to what the config and the standard
     OTEL_* variables say (tests pass their own exporters)."""
@@ -55,6 +59,7 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
     app = web.Application(client_max_size=cfg.server.max_body_bytes + 1)
     app[CONFIG_KEY] = cfg
     app[DRAINING_KEY] = asyncio.Event()
+    app[WORKER_KEY] = worker
     auth = AuthPolicy(cfg.auth)
     slo = SLOPolicy(cfg.slo)
     metrics = Metrics(cfg.slo.thresholds_s(), cfg.slo.classes, [b.name for b in cfg.backends],
@@ -81,12 +86,18 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
                             otlp_metrics or OTLPMetrics(cfg.telemetry), cfg.telemetry.prometheus,
                             console=recorder)
         app[FINISHER_KEY] = finisher
-        admission = shared = None
+        admission = None
+        shared: Any = None  # SharedState (Redis) or HostLocalState (--workers N)
         if cfg.admission.enabled:
             if cfg.admission.redis_url:
                 from gateway.admission.shared import SharedState  # imports redis only if used
 
                 shared = SharedState(cfg.admission, metrics)
+                if worker is not None:  # without Redis, the host's share holds host-wide
+                    shared.host = worker.slot_table()
+                await shared.start()
+            elif worker is not None:  # caps exact across this host's workers
+                shared = worker.host_admission()
                 await shared.start()
             admission = AdmissionController(cfg.admission, router, metrics, shared=shared)
             if shared is not None:
@@ -140,7 +151,9 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
     async def prometheus(request: web.Request) -> web.Response:
         # OpenMetrics when the scraper asks for it: that format carries exemplars (trace ids).
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-        body = encoder(app[METRICS_KEY].registry)
+        ctx = app[WORKER_KEY]  # the main app's: this handler may serve the admin listener
+        registry = app[METRICS_KEY].registry
+        body = ctx.exposition(registry, encoder) if ctx is not None else encoder(registry)
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     def admin_only(handler: Handler) -> Handler:
@@ -158,6 +171,9 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
     async def admission_state(request: web.Request) -> web.Response:
         ctrl = app[ADMISSION_KEY]
         body = ctrl.snapshot() if ctrl is not None else {"enabled": False}
+        ctx = request.app[WORKER_KEY]
+        if ctx is not None:
+            body = ctx.host_admission_view(body)
         return web.json_response(body, dumps=_dumps)
 
     async def backends_state(request: web.Request) -> web.Response:
@@ -290,16 +306,20 @@ async def drain(app: web.Application, timeout_s: float) -> None:
 async def start(app: web.Application, cfg: Config, host: str,
                 port: int) -> tuple[web.AppRunner, listener.GuardedSite]:
     """Listen with the listener limits of [server] (header deadline, idle keep-alive timeout,
-    connection caps in total and per client address, descriptor budget)."""
+    connection caps in total and per client address, descriptor budget). A worker of
+    `--workers N` listens with SO_REUSEPORT and its share of the connection caps."""
     s = cfg.server
+    worker = app[WORKER_KEY]
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=s.drain_timeout_s + 5,
                            **listener.runner_kwargs(s))
     await runner.setup()
-    max_conns = listener.fd_budget(s.max_connections, sum(b.pool_size for b in cfg.backends))
-    guard = listener.ConnectionGuard(max_conns, s.max_connections_per_client,
-                                     s.header_timeout_s, app[METRICS_KEY])
-    site = listener.GuardedSite(runner, host, port, guard)
+    max_conns, per_client = s.max_connections, s.max_connections_per_client
+    if worker is not None:
+        max_conns, per_client = worker.split_connections(max_conns, per_client)
+    max_conns = listener.fd_budget(max_conns, sum(b.pool_size for b in cfg.backends))
+    guard = listener.ConnectionGuard(max_conns, per_client, s.header_timeout_s, app[METRICS_KEY])
+    site = listener.GuardedSite(runner, host, port, guard, reuse_port=worker is not None)
     try:
         await site.start()
     except OSError as e:  # one line for the user, and no unclosed upstream sessions
@@ -308,10 +328,10 @@ async def start(app: web.Application, cfg: Config, host: str,
     return runner, site
 
 
-async def serve(cfg: Config, host: str, port: int) -> None:
+async def serve(cfg: Config, host: str, port: int, worker: WorkerContext | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then drain: /readyz turns false, listening stops after the
     readiness grace, requests in flight get the drain timeout."""
-    app = build_app(cfg)
+    app = build_app(cfg, worker=worker)
     runner, site = await start(app, cfg, host, port)
     # Everything allocated so far lives for the process; keep the collector off it, and
     # collect the young generation less often (the relay allocates a little per read).
@@ -322,7 +342,9 @@ async def serve(cfg: Config, host: str, port: int) -> None:
         admin_runner = web.AppRunner(app[ADMIN_APP_KEY], access_log=None)
         await admin_runner.setup()
         try:
-            await web.TCPSite(admin_runner, host, cfg.server.admin_port).start()
+            # Workers share the admin port as they share the main one.
+            await web.TCPSite(admin_runner, host, cfg.server.admin_port,
+                              reuse_port=worker is not None).start()
         except OSError as e:
             await admin_runner.cleanup()
             await runner.cleanup()
@@ -334,7 +356,11 @@ async def serve(cfg: Config, host: str, port: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if worker is not None:
+        background = _worker_tasks(app, worker, stop)
     await stop.wait()
+    if worker is not None:  # a worker never outlives its supervisor's stop
+        worker.exit_if_stuck(cfg.server.readiness_grace_s + cfg.server.drain_timeout_s + 10)
     log.info("draining (up to %.0f s)", cfg.server.drain_timeout_s)
     app[DRAINING_KEY].set()
     if cfg.server.readiness_grace_s:
@@ -343,15 +369,40 @@ async def serve(cfg: Config, host: str, port: int) -> None:
     await drain(app, cfg.server.drain_timeout_s)
     if admin_runner is not None:
         await admin_runner.cleanup()
+    if worker is not None:
+        for task in background:
+            task.cancel()
+        worker.publish(app[METRICS_KEY].registry, None)  # its last requests count too
     await runner.cleanup()
     log.info("stopped")
+
+
+def _worker_tasks(app: web.Application, worker: WorkerContext,
+                  stop: asyncio.Event) -> list[asyncio.Task[None]]:
+    """A worker publishes its metrics and admission view for the host, and stops (draining)
+    if its supervisor is gone."""
+    def snapshot() -> dict[str, Any] | None:
+        ctrl = app[ADMISSION_KEY]
+        return ctrl.snapshot() if ctrl is not None else None
+
+    async def orphaned() -> None:
+        while not worker.orphaned():
+            await asyncio.sleep(1.0)
+        log.warning("worker %d: supervisor gone; draining", worker.index)
+        stop.set()
+
+    return [asyncio.create_task(worker.publish_forever(app[METRICS_KEY].registry, snapshot)),
+            asyncio.create_task(orphaned())]
 
 
 class ListenError(Exception):
     """The listening socket could not be opened (the message says where and why)."""
 
 
-def run(config_path: str, host: str | None = None, port: int | None = None) -> int:
+def run(config_path: str, host: str | None = None, port: int | None = None,
+        workers: int = 1, worker: str | None = None) -> int:
+    """`slogate serve`: one gateway, or (workers > 1) the supervisor of N workers
+    (gateway/workers.py); `worker` is the supervisor's spec for one of them."""
     setup_logging()
     try:
         cfg = config_mod.load(config_path)
@@ -360,8 +411,18 @@ def run(config_path: str, host: str | None = None, port: int | None = None) -> i
         return 2
     if not cfg.server.access_log:
         logging.getLogger("slogate.access").setLevel(logging.WARNING)
+    host = host or cfg.server.host
+    port = cfg.server.port if port is None else port
+    if workers > 1 and worker is None:
+        from gateway.workers import supervise
+
+        return supervise(config_path, host, port, workers, cfg.server.drain_timeout_s,
+                         cfg.server.readiness_grace_s)
+    ctx = WorkerContext.parse(worker) if worker is not None else None
+    if ctx is not None:
+        ctx.label_logs()
     try:
-        asyncio.run(serve(cfg, host or cfg.server.host, cfg.server.port if port is None else port))
+        asyncio.run(serve(cfg, host, port, ctx))
     except ListenError as e:
         print(f"slogate: {e}", file=sys.stderr)
         return 2

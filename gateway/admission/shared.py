@@ -55,6 +55,7 @@ LEASE_PREFIX = PREFIX + "lease:"
 INFLIGHT_PREFIX = PREFIX + "inflight:"
 WORK_KEY = PREFIX + "work"
 REDIS, LOCAL = "redis", "local"
+HOST_PREFIX = "redis-fallback:"  # keys of the host's SlotTable (serve --workers N)
 
 # KEYS[1] the replica's in-flight hash. ARGV: gateway id, cap, lease key prefix.
 # Returns {1 if admitted else 0, live in-flight total after the call}.
@@ -189,6 +190,10 @@ class SharedState:
         self.acquires = 0
         self.local_acquires = 0
         self.rejects = 0
+        # serve --workers N: the host's workers share one local share while Redis is
+        # unreachable (admission/hostlocal.py), so the fallback is never N x floor(cap*share)
+        self.host: Any = None  # hostlocal.SlotTable
+        self.host_held: dict[str, int] = {}  # slots of that table this worker holds
         self._epoch = itertools.count()
         self.epoch = next(self._epoch)
         self._ctrl: Any = None
@@ -287,7 +292,13 @@ class SharedState:
                 self.rejects += 1
                 return False
         n = self.local.get(backend, 0)
-        if n < self.local_cap(limit):
+        if self.host is not None:
+            ok = self.host.try_acquire(HOST_PREFIX + backend, self.local_cap(limit))
+            if ok:
+                self.host_held[backend] = self.host_held.get(backend, 0) + 1
+        else:
+            ok = n < self.local_cap(limit)
+        if ok:
             self.local[backend] = n + 1
             self.local_acquires += 1
             return True
@@ -310,6 +321,9 @@ class SharedState:
         if n <= 0:
             return  # not ours (a mismatched release must not free another gateway's slot)
         self.local[backend] = n - 1
+        if self.host_held.get(backend, 0) > 0:
+            self.host_held[backend] -= 1
+            self.host.release(HOST_PREFIX + backend)
         if self.state == REDIS and not self._closing:
             self._spawn(self._release_remote(backend, self.epoch))
 
@@ -318,8 +332,12 @@ class SharedState:
         it (unconditionally: the retry is under way). Never blocks."""
         if src == dst or self.local.get(src, 0) <= 0:
             return
+        held = self.host_held.get(src, 0) > 0
         self.release(src)
         self.local[dst] = self.local.get(dst, 0) + 1
+        if held:
+            self.host_held[dst] = self.host_held.get(dst, 0) + 1
+            self.host.force_acquire(HOST_PREFIX + dst)
         if self.state == REDIS and not self._closing:
             self._spawn(self._force_acquire(dst, self.epoch))
 
