@@ -30,7 +30,7 @@ CAP = 4  # per replica, global
 TOKENS = 25
 STEP_MS = 20  # a request holds its slot ~TOKENS x STEP_MS = 0.5 s
 TTFT_S, TPOT_S = 1.5, 0.1
-LEASE_S = 1.0
+LEASE_S = 3.0  # the default: a gateway starved of CPU for 1 s must not lose its slots
 
 CONFIG = """
 [auth]

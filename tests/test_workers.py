@@ -383,7 +383,7 @@ async def _peak_with_redis(url: str, state: str, cap: int) -> int:
         cfg.write_text(CONFIG.format(sim=sim.url, cap=cap).replace(
             "[admission]\nenabled = true\n",
             f'[admission]\nenabled = true\nredis_url = "{url}"\nredis_share = 0.5\n'
-            "lease_s = 1.0\n"))
+            "lease_s = 3.0\n"))
         try:
             async with slogate("serve", "--config", str(cfg), "--workers", "2",
                                ready_path="/readyz") as gw, \
