@@ -486,3 +486,30 @@ async def test_in_flight_quota_and_tenant_metrics() -> None:
                                 verdict="met") >= 1
             assert await metric(s, base, "slogate_tenant_tokens_total", tenant="t",
                                 kind="completion") >= 40
+
+
+async def test_in_flight_quota_is_global_across_gateways_through_redis() -> None:
+    with redis_server() as redis:
+        async with serve_app(build_sim(SimConfig(decode_base_ms=20, decode_per_seq_ms=0))) as sim:
+            cfg = keyed([("a", sim, ["m"])],
+                        [{"key": "k", "tenant": "t", "max_in_flight": 2}],
+                        admission={"enabled": True, "redis_url": redis.url},
+                        server={"access_log": False})
+            async with serve_app(build_app(cfg)) as one, serve_app(build_app(cfg)) as two, \
+                    aiohttp.ClientSession() as s:
+                results = await asyncio.gather(*(
+                    chat(s, one if i % 2 else two, "k", max_tokens=30,
+                         headers={"x-sim-output-tokens": "30"}) for i in range(6)))
+                statuses = sorted(r["status"] for r in results)
+                # Two in flight across both gateways, not two on each.
+                assert statuses == [200, 200, 429, 429, 429, 429], statuses
+                for r in results:
+                    if r["status"] == 429:
+                        assert r["headers"]["x-slogate-admission"] == "quota_in_flight"
+                # Their slots come back (the release reaches Redis in the background): the
+                # tenant can send again, through either gateway.
+                for gw in (one, two):
+                    async def admitted(gw: str = gw) -> bool:
+                        return (await chat(s, gw, "k"))["status"] == 200
+                    await wait_until(admitted, timeout=3, interval=0.05,
+                                     what="a request admitted after the slots came back")
