@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 DURATION ?=
 STAMP := $(VENV)/.slogate-installed
 
-.PHONY: demo lint test bench bench-goodput serve sim system-deps clean
+.PHONY: demo lint test bench bench-goodput soak serve sim system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ bench: $(STAMP)
 # Goodput with SLO-aware admission vs pass-through under overload (QUICK=1 for a smoke run).
 bench-goodput: $(STAMP)
 	$(PY) -m benchmarks.goodput $(if $(QUICK),--quick)
+
+# Soak with fault injection at ~70 % of the simulator's capacity; fails on leaks
+# (SOAK_S=seconds, default 600).
+soak: $(STAMP)
+	SOAK_S=$${SOAK_S:-600} $(PY) -m benchmarks.soak --out bench-results
 
 serve: $(STAMP)
 	$(VENV)/bin/slogate serve --config gateway/examples/sim.toml

@@ -62,6 +62,10 @@ class AuthPolicy:
         if not presented:
             raise GatewayError(401, "Missing gateway key: send 'Authorization: Bearer <key>' or "
                                "'x-api-key: <key>'.", "missing_api_key", outcome="rejected")
+        if not valid_key_text(presented):
+            # A key that is not printable ASCII cannot be one of ours (keys are generated as
+            # ASCII tokens): 401, never a traceback that would print it.
+            raise GatewayError(401, "Invalid gateway key.", "invalid_api_key", outcome="rejected")
         key = self.keys.get(hash_key(presented))
         if key is None:
             raise GatewayError(401, "Invalid gateway key.", "invalid_api_key", outcome="rejected")
@@ -75,6 +79,11 @@ class AuthPolicy:
         if not self.allows(key, model):
             raise GatewayError(403, f"This key may not use the model '{model}'.",
                                "model_not_allowed", param="model", outcome="rejected")
+
+
+def valid_key_text(key: str) -> bool:
+    """Printable ASCII only (aiohttp decodes header bytes >= 0x80 as surrogates/latin-1)."""
+    return key.isascii() and key.isprintable() and len(key) <= 4096
 
 
 def hash_key(key: str) -> str:

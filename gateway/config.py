@@ -34,7 +34,8 @@ log = logging.getLogger("slogate.config")
 
 # SLOGATE_* variables read by something other than the config (test and tooling knobs): not
 # warned about as unknown.
-OTHER_ENV = frozenset({"SLOGATE_MODEL_CACHE", "SLOGATE_KEEP_LLAMACPP_LOG"})
+OTHER_ENV = frozenset({"SLOGATE_MODEL_CACHE", "SLOGATE_KEEP_LLAMACPP_LOG",
+                       "SLOGATE_KEEP_PROC_LOG"})
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,21 @@ class ServerConfig:
     # SSE comment pings while a committed stream is silent this long (0 = off). Before commit,
     # the first ping commits the response (failover is possible only before that).
     keepalive_s: float = 0.0
+    # Listener limits (hostile clients): request headers must be complete this long after the
+    # connection opened or the previous response ended (408, then close); the body must arrive
+    # within body_timeout_s (408); an idle keep-alive connection is closed after
+    # idle_connection_timeout_s; open connections are capped in total and per client address
+    # (0 = no per-address cap: set it to 0 behind a proxy or load balancer).
+    header_timeout_s: float = 15.0
+    body_timeout_s: float = 60.0
+    idle_connection_timeout_s: float = 75.0
+    max_connections: int = 4096
+    max_connections_per_client: int = 256
+    # Upstream limits (hostile upstreams): one SSE event, and what is held before the first
+    # token, at most max_event_bytes; a non-streamed answer at most max_response_bytes
+    # (decompressed).
+    max_event_bytes: int = 8 * 1024 * 1024
+    max_response_bytes: int = 32 * 1024 * 1024
     # A separate listener for /admin/* (0 = the main one). /metrics and the console move there
     # too when these say so.
     admin_port: int = 0
@@ -135,6 +151,11 @@ class BackendConfig:
     max_concurrency: int = 0  # admission's per-replica cap (0 = [admission].max_concurrency)
     # send max_completion_tokens as max_tokens (llama.cpp's server ignores the newer name)
     rename_max_completion_tokens: bool = False
+    # Header policy (gateway/headers.py): client headers dropped by default that this backend
+    # gets anyway (e.g. "OpenAI-Organization"), and forwarded ones it must not get
+    # (e.g. "anthropic-beta").
+    forward_headers: tuple[str, ...] = ()
+    deny_headers: tuple[str, ...] = ()
 
     @property
     def wildcard(self) -> bool:
@@ -400,8 +421,11 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str],
         raw["backends"] = backends
         backend_keys = [p + k.upper() for p, _, _ in prefixes
                         for k in BackendConfig.__dataclass_fields__]
+    # A backend's api_key_env may be a SLOGATE_* name: it holds a key, it overrides nothing.
+    key_vars = {b.get("api_key_env") for b in raw.get("backends") or [] if isinstance(b, dict)}
     for key in sorted(env):
-        if key.startswith("SLOGATE_") and key not in used and key not in OTHER_ENV:
+        if (key.startswith("SLOGATE_") and key not in used and key not in OTHER_ENV
+                and key not in key_vars):
             known = [f"SLOGATE_{s.upper()}_{k.upper()}" for s, ks in _ENV_SECTIONS.items()
                      for k in ks] + backend_keys
             close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
@@ -446,8 +470,9 @@ def _server(table: Any) -> ServerConfig:
     commit = _typed("server", table, "commit", str, d.commit, '"first_token" or "headers"')
     if commit not in ("first_token", "headers"):
         raise ConfigError("server.commit", commit, '"first_token" or "headers"')
-    def seconds(key: str) -> float:
-        return _seconds("server", table, key, getattr(d, key))
+
+    def seconds(key: str, positive: bool = False) -> float:
+        return _seconds("server", table, key, getattr(d, key), positive)
 
     return ServerConfig(
         host=_typed("server", table, "host", str, d.host, "a host name or address"),
@@ -458,12 +483,29 @@ def _server(table: Any) -> ServerConfig:
         drain_timeout_s=seconds("drain_timeout_s"),
         readiness_grace_s=seconds("readiness_grace_s"),
         keepalive_s=seconds("keepalive_s"),
+        header_timeout_s=seconds("header_timeout_s", True),
+        body_timeout_s=seconds("body_timeout_s", True),
+        idle_connection_timeout_s=seconds("idle_connection_timeout_s", True),
+        max_connections=_count("server", table, "max_connections", d.max_connections, 1),
+        max_connections_per_client=_count("server", table, "max_connections_per_client",
+                                          d.max_connections_per_client, 0),
+        max_event_bytes=_count("server", table, "max_event_bytes", d.max_event_bytes, 1024),
+        max_response_bytes=_count("server", table, "max_response_bytes", d.max_response_bytes,
+                                  1024),
         admin_port=_admin_port(table, port),
         admin_metrics=_typed("server", table, "admin_metrics", bool, d.admin_metrics,
                              "true or false"),
         admin_console=_typed("server", table, "admin_console", bool, d.admin_console,
                              "true or false"),
     )
+
+
+def _count(where: str, table: dict[str, Any], key: str, default: int, minimum: int) -> int:
+    expected = f"an integer >= {minimum}"
+    value: int = _typed(where, table, key, int, default, expected)
+    if value < minimum:
+        raise ConfigError(f"{where}.{key}", value, expected)
+    return value
 
 
 def _admin_port(table: dict[str, Any], port: int) -> int:
@@ -658,7 +700,18 @@ def _backend(i: int, table: Any, default_timeouts: Timeouts) -> BackendConfig:
                                "an integer >= 0 (0 = the [admission] default)"),
         rename_max_completion_tokens=_typed(where, table, "rename_max_completion_tokens", bool,
                                             False, "true or false"),
+        forward_headers=_header_names(where, table, "forward_headers"),
+        deny_headers=_header_names(where, table, "deny_headers"),
     )
+
+
+def _header_names(where: str, table: dict[str, Any], key: str) -> tuple[str, ...]:
+    names = table.get(key, [])
+    if not isinstance(names, list) or not all(
+            isinstance(n, str) and n and n.isascii() and ":" not in n for n in names):
+        raise ConfigError(f"{where}.{key}", names, 'a list of header names such as '
+                          '["OpenAI-Organization"]')
+    return tuple(n.lower() for n in names)
 
 
 def _health_path(where: str, table: dict[str, Any]) -> str:

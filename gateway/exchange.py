@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gateway.apis.base import EventInfo
+from gateway.telemetry import attribution, durations
 
 if TYPE_CHECKING:
     from aiohttp import ClientResponse, web
@@ -74,14 +75,17 @@ class Exchange:
         "t_first_visible", "t_last_token", "t_committed", "t_end",
         # counts and what the stream said
         "events", "token_events", "prompt_tokens", "completion_tokens", "usage_source",
+        "cached_tokens", "cache_write_tokens",
         "finish_reasons", "response_id", "response_model", "done", "error_type",
         "outcome", "cancel_phase",
         # telemetry inputs
         "token_ns", "overhead_ns", "t_connect_start", "t_connect_end", "provider_queue_s",
-        "provider_prefill_s", "provider_decode_s", "slo", "verdict", "model_label",
+        "provider_prefill_s", "provider_decode_s", "provider_prefill_inferred", "slo",
+        "verdict", "model_label", "ttft_split",
         "interruption", "trace", "server_address", "server_port", "tenant", "tenant_label",
         "policy", "served_model",
-        "admission", "t_admitted", "t_last_event", "t_dispatched", "attempts", "on_first_token",
+        "admission", "t_queued", "t_admitted", "t_last_event", "t_dispatched", "attempts",
+        "on_first_token",
         # the phases' working state
         "api", "operation", "key", "body", "parsed", "attempt", "ticket", "response",
         "retry_budget_at", "last_failure", "captured_output",
@@ -105,6 +109,8 @@ class Exchange:
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
         self.usage_source: str | None = None  # "upstream" or "counted" (token events)
+        self.cached_tokens: int | None = None  # of prompt_tokens: from the prefix cache
+        self.cache_write_tokens: int | None = None  # of prompt_tokens: written to it
         self.finish_reasons: list[str] = []
         self.response_id: str | None = None
         self.response_model: str | None = None
@@ -118,8 +124,10 @@ class Exchange:
         self.provider_queue_s: float | None = None  # provider-reported stages (seconds)
         self.provider_prefill_s: float | None = None
         self.provider_decode_s: float | None = None
+        self.provider_prefill_inferred = False  # computed from other reported numbers
         self.slo: Any = None  # slo.SLOTarget
         self.verdict: str | None = None
+        self.ttft_split: attribution.TTFTSplit | None = None  # set in finish
         self.model_label = "other"  # bounded model label for metrics
         self.interruption: str | None = None  # why a committed stream ended with an error event
         self.trace: Any = None  # telemetry.tracing.RequestSpans when tracing is on
@@ -130,6 +138,7 @@ class Exchange:
         self.policy: Any = None  # config.TenantPolicy the request runs under
         self.served_model: str | None = None  # the client-visible model an attempt served
         self.admission: tuple[str, str] | None = None  # (decision, reason)
+        self.t_queued = 0  # entered the admission queue (0: never queued)
         self.t_admitted = 0  # left the admission queue (0: never queued)
         self.t_last_event = 0  # last upstream SSE event (idle deadline)
         self.t_dispatched = 0  # first upstream attempt sent (end of the gateway queue)
@@ -162,6 +171,7 @@ class Exchange:
         self.events = self.token_events = 0
         self.token_ns = []
         self.prompt_tokens = self.completion_tokens = None
+        self.cached_tokens = self.cache_write_tokens = None
         self.usage_source = None
         self.finish_reasons = []
         self.response_id = self.response_model = None
@@ -170,6 +180,7 @@ class Exchange:
         self.status = 0
         self.usage_injected = False
         self.provider_queue_s = self.provider_prefill_s = self.provider_decode_s = None
+        self.provider_prefill_inferred = False
 
     # -- what the upstream said: one place stamps the timeline from an adapter's EventInfo ----
     def event_seen(self, info: EventInfo, t: int) -> None:
@@ -204,6 +215,10 @@ class Exchange:
         if info.completion_tokens is not None:
             self.completion_tokens = info.completion_tokens
             self.usage_source = "upstream"
+        if info.cached_tokens is not None:
+            self.cached_tokens = info.cached_tokens
+        if info.cache_write_tokens is not None:
+            self.cache_write_tokens = info.cache_write_tokens
         if info.finish_reasons:
             self.finish_reasons.extend(info.finish_reasons)
         timing = info.timing
@@ -211,6 +226,7 @@ class Exchange:
             self.provider_queue_s = timing.queue_s
             self.provider_prefill_s = timing.prefill_s
             self.provider_decode_s = timing.decode_s
+            self.provider_prefill_inferred = timing.prefill_inferred
 
     # -- derived durations --------------------------------------------------------------------
     def phase(self) -> str:
@@ -233,25 +249,9 @@ class Exchange:
             self.usage_source = "counted"
 
     def durations_ms(self) -> dict[str, float]:
-        """Stage durations in ms, only for stages that happened."""
-        out: dict[str, float] = {}
-        t0 = self.t_received
-
-        def span(name: str, a: int, b: int) -> None:
-            if a and b:
-                out[name] = round((b - a) / 1e6, 3)
-
-        span("body", t0, self.t_body)
-        span("gateway", t0, self.t_dispatched or self.t_sent)
-        span("upstream_headers", self.t_sent, self.t_headers)
-        span("upstream_ttft", self.t_sent, self.t_first_token)
-        span("ttft", t0, self.t_first_token)
-        span("first_event", t0, self.t_first_event)
-        span("first_visible", t0, self.t_first_visible)
-        span("upstream_connect", self.t_connect_start, self.t_connect_end)
-        span("decode", self.t_first_token, self.t_last_token)
-        span("final_token", t0, self.t_last_token)
-        span("e2e", t0, self.t_end)
+        """Every duration that applies (gateway/telemetry/durations.py), in ms, plus TPOT,
+        the provider-reported stages and the gateway's overhead."""
+        out = durations.durations_ms(self)
         tpot = self.tpot_s()
         if tpot is not None:
             out["tpot"] = round(tpot * 1e3, 3)
@@ -278,16 +278,16 @@ class Exchange:
         return [(b - a) / 1e9 for a, b in itertools.pairwise(ts)]
 
     def ttft_s(self) -> float | None:
-        if self.t_first_token:
-            return (self.t_first_token - self.t_received) / 1e9
-        return None
+        """Time to first token: streamed answers that produced one, nothing else."""
+        return durations.TTFT.seconds(self)
 
     def tpot_s(self) -> float | None:
         """Mean time per output token after the first (§1.7): decode time / (tokens - 1)."""
         n = self.completion_tokens
-        if not (self.t_first_token and self.t_last_token and n and n > 1):
+        decode = durations.DECODE.seconds(self)
+        if decode is None or not (n and n > 1):
             return None
-        return (self.t_last_token - self.t_first_token) / 1e9 / (n - 1)
+        return decode / (n - 1)
 
     def log_record(self) -> dict[str, Any]:
         """The one JSON log line per request: stage durations and outcome, never content or
@@ -325,9 +325,22 @@ class Exchange:
         rec["ms"] = self.durations_ms()
         rec["events"] = self.events
         rec["token_events"] = self.token_events
+        split = self.ttft_split
+        if split is not None:
+            rec["ttft_stages_ms"] = split.ms()
+            rec["ttft_largest_stage"] = split.largest
+            if split.missed:
+                rec["ttft_miss_stage"] = split.largest
         rec["prompt_tokens"] = self.prompt_tokens
         rec["completion_tokens"] = self.completion_tokens
         rec["usage_source"] = self.usage_source
+        if self.cached_tokens is not None:
+            rec["cached_tokens"] = self.cached_tokens
+        if self.cache_write_tokens is not None:
+            rec["cache_write_tokens"] = self.cache_write_tokens
+        if self.prompt_tokens is not None:
+            rec["prefix_cache"] = attribution.cache_bucket(self)
+            rec["prompt_length"] = attribution.prompt_bucket(self)
         if self.finish_reasons:
             rec["finish_reasons"] = self.finish_reasons
         return rec

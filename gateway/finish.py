@@ -10,6 +10,7 @@ import orjson
 from gateway.errors import REJECTED
 from gateway.exchange import Exchange
 from gateway.slo import verdict
+from gateway.telemetry.attribution import ttft_split
 from gateway.telemetry.otlp_metrics import OTLPMetrics
 from gateway.telemetry.prometheus import Metrics
 from gateway.telemetry.tracing import Tracing
@@ -37,6 +38,7 @@ class Finisher:
     def finish(self, ctx: Exchange, operation: str, provider: str) -> None:
         if ctx.slo is not None and ctx.outcome is not None and self._judged(ctx):
             ctx.verdict = verdict(ctx, ctx.slo)
+        ctx.ttft_split = ttft_split(ctx)  # the TTFT's stages, read by every sink below
         if self.prometheus:
             self.metrics.observe(ctx)
             self.metrics.tenants.observe(ctx)

@@ -1,4 +1,22 @@
-"""Which headers cross the gateway (RFC 9110 §7.6.1 hop-by-hop rules, both directions)."""
+"""Which headers cross the gateway, in both directions: one explicit policy (README, "Headers
+across the boundary").
+
+Going up (client -> upstream), dropped:
+- hop-by-hop headers (RFC 9110 §7.6.1) and any named in `Connection`; framing we redo;
+- the client's credentials (the backend's own key is injected instead, unless
+  `forward_client_auth`) and cookies;
+- the gateway's own control headers (x-slogate-*, x-slo-*);
+- `OpenAI-Organization` / `OpenAI-Project`: next to the gateway's upstream key they would bill
+  another organisation or project of that key's owner; `Forwarded`, `X-Forwarded-*`,
+  `X-Real-IP`: a client must not speak for the gateway about where a request came from.
+  A backend may forward these explicitly (`forward_headers`).
+Provider feature headers (`anthropic-version`, `anthropic-beta`, `openai-beta`) and every other
+header are forwarded, unless the backend denies them (`deny_headers`).
+
+Coming down (upstream -> client), dropped: hop-by-hop, framing and encoding we redo, `Server`,
+`Date`, and what identifies or binds the upstream account: `Set-Cookie`, `Set-Cookie2`,
+`openai-organization`, `openai-project`.
+"""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -16,9 +34,16 @@ _NOT_UPSTREAM = HOP_BY_HOP | {
     "host", "content-length", "accept-encoding", "authorization", "x-api-key", "cookie",
 }
 _CONTROL_PREFIXES = ("x-slogate-", "x-slo-")
+# Dropped going up unless the backend lists them in forward_headers.
+ACCOUNT_HEADERS = frozenset({"openai-organization", "openai-project"})
+_FORWARDING = frozenset({"forwarded", "x-real-ip"})
+_FORWARDING_PREFIX = "x-forwarded-"
 
-# Never forwarded to the client: framing and encoding we redo, and headers aiohttp sets itself.
-_NOT_DOWNSTREAM = HOP_BY_HOP | {"content-length", "content-encoding", "server", "date"}
+# Never forwarded to the client: framing and encoding we redo, headers aiohttp sets itself, and
+# the upstream account's cookies and identity.
+_NOT_DOWNSTREAM = HOP_BY_HOP | {"content-length", "content-encoding", "server", "date",
+                                "set-cookie", "set-cookie2", "openai-organization",
+                                "openai-project"}
 
 
 def _connection_listed(headers: CIMultiDictProxy[str]) -> set[str]:
@@ -29,15 +54,26 @@ def _connection_listed(headers: CIMultiDictProxy[str]) -> set[str]:
     return listed
 
 
-def upstream_request_headers(client: CIMultiDictProxy[str], *,
-                             forward_auth: bool) -> CIMultiDict[str]:
+def _policy_dropped(low: str) -> bool:
+    return low in ACCOUNT_HEADERS or low in _FORWARDING or low.startswith(_FORWARDING_PREFIX)
+
+
+def upstream_request_headers(client: CIMultiDictProxy[str], *, forward_auth: bool,
+                             forward: Iterable[str] = (), deny: Iterable[str] = ()
+                             ) -> CIMultiDict[str]:
+    """`forward`: headers this policy drops that the backend wants anyway (lower-case);
+    `deny`: headers it forwards that the backend must not get."""
     drop = _connection_listed(client)
+    allowed = frozenset(h.lower() for h in forward)
+    denied = frozenset(h.lower() for h in deny)
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in client.items():
         low = name.lower()
-        if low in drop or low.startswith(_CONTROL_PREFIXES):
+        if low in drop or low.startswith(_CONTROL_PREFIXES) or low in denied:
             continue
         if low in _NOT_UPSTREAM and not (forward_auth and low in ("authorization", "x-api-key")):
+            continue
+        if _policy_dropped(low) and low not in allowed:
             continue
         out.add(name, value)
     out["Accept-Encoding"] = "identity"  # a compressing upstream would hold tokens back

@@ -87,8 +87,8 @@ async def check_forever(url: str, interval_s: float, session: aiohttp.ClientSess
     timeout = aiohttp.ClientTimeout(total=interval_s)
     while True:
         try:
-            async with session.get(url, timeout=timeout) as r:
-                ok = 200 <= r.status < 300
+            async with session.get(url, timeout=timeout, allow_redirects=False) as r:
+                ok = 200 <= r.status < 300  # a redirect is not followed: unhealthy
         except (TimeoutError, aiohttp.ClientError, OSError):
             ok = False
         report(ok)

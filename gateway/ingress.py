@@ -1,15 +1,30 @@
 """Ingress: read the client's request and pull out the few fields the gateway needs."""
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from gateway import limits
 from gateway.errors import GatewayError
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
+async def read_body(request: web.Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The whole body, within `limit` bytes and `timeout_s` seconds (a client that sends its
+    headers and then trickles or withholds the body holds a connection and a task: 408)."""
+    if not timeout_s:
+        return await _read_body(request, limit)
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_body(request, limit)
+    except TimeoutError:
+        raise GatewayError(408, f"The request body did not arrive within {timeout_s:g} s.",
+                           limits.BODY_TIMEOUT, headers={"Connection": "close"}) from None
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
     length = request.content_length
     if length is not None and length > limit:
         raise GatewayError(413, f"Request body of {length} bytes exceeds the limit of "
@@ -44,7 +59,7 @@ def model_of(body: dict[str, Any]) -> str:
     if not isinstance(model, str) or not model:
         raise GatewayError(400, "The request must name a model: 'model' is missing or not a "
                            "string.", "missing_model", param="model")
-    return model
+    return limits.check_name(model, "model")
 
 
 def stream_of(body: dict[str, Any]) -> bool:

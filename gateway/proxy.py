@@ -27,7 +27,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from gateway import ingress
+from gateway import ingress, limits
 from gateway.apis import ROUTES
 from gateway.deadlines import DeadlineOverrides, Watchdog
 from gateway.errors import (
@@ -159,7 +159,8 @@ class Proxy:
         """The body (bounded) and the few fields the gateway needs: model, stream. May refuse
         (413, 400, 403 for a model the key may not use). Hands on `ex.body`, `ex.parsed`,
         `ex.model`, `ex.stream`."""
-        ex.body = await ingress.read_body(request, self.cfg.server.max_body_bytes)
+        ex.body = await ingress.read_body(request, self.cfg.server.max_body_bytes,
+                                          self.cfg.server.body_timeout_s)
         ex.t_body = now_ns()
         ex.parsed = ingress.parse_json(ex.body)
         ex.model = ingress.model_of(ex.parsed)
@@ -359,7 +360,9 @@ class Proxy:
             changed = True
         data = orjson.dumps(send) if changed else ex.body
         headers = upstream_request_headers(request.headers,
-                                           forward_auth=replica.cfg.forward_client_auth)
+                                           forward_auth=replica.cfg.forward_client_auth,
+                                           forward=replica.cfg.forward_headers,
+                                           deny=replica.cfg.deny_headers)
         headers["Content-Type"] = "application/json"
         headers["X-Request-Id"] = ex.request_id
         for name, value in provider.default_headers.items():
@@ -379,7 +382,8 @@ class Proxy:
                                                        sock_connect=timeouts.connect_s)
         try:
             up = await replica.session.post(url, data=data, headers=headers,
-                                            trace_request_ctx=ex, **post_kw)
+                                            trace_request_ctx=ex, allow_redirects=False,
+                                            **post_kw)
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             raise AttemptFailed(CONNECT_ERROR, 502, f"Backend '{replica.name}' is unreachable: "
                                 f"{describe_connect_error(e, replica.address, replica.port)}.",
@@ -387,6 +391,10 @@ class Proxy:
         attempt.response = up
         ex.t_headers = now_ns()
         ex.status = up.status
+        if 300 <= up.status < 400:  # never followed: our upstream key would go along
+            raise AttemptFailed(limits.UPSTREAM_REDIRECT, 502, f"Backend '{replica.name}' "
+                                f"answered {up.status} (a redirect); the gateway does not "
+                                "follow redirects.", limits.UPSTREAM_REDIRECT)
         if up.status in self.retry.statuses:
             raise await self._retryable_status(ex, up)
         return up
@@ -407,7 +415,8 @@ class Proxy:
         return await Relay(request, ex, up, api, headers_out,
                            hold_until_first_token=self.hold_until_first_token,
                            watchdog=watchdog, keepalive_s=self.cfg.server.keepalive_s,
-                           capture=capture).run()
+                           capture=capture,
+                           max_event_bytes=self.cfg.server.max_event_bytes).run()
 
     def finish(self, ex: Exchange) -> None:
         """Release what the request held (admission ticket, upstream connection: back to the
@@ -496,9 +505,16 @@ class Proxy:
                      extra: tuple[tuple[str, str], ...]) -> web.StreamResponse:
         """A response that is not an event stream (non-stream answer or an upstream error):
         read it whole and pass status, headers and body through."""
-        body = await _read_bounded(up, MAX_ERROR_BODY if up.status >= 400 else None)
-        t = now_ns()
-        ex.t_first_event = ex.t_first_token = ex.t_last_token = t
+        if up.status >= 400:
+            body = await _read_bounded(up, MAX_ERROR_BODY)
+        else:
+            try:
+                body = await limits.read_capped(up, self.cfg.server.max_response_bytes)
+            except limits.ResponseTooLarge as e:
+                raise AttemptFailed(limits.RESPONSE_TOO_LARGE, 502, str(e),
+                                    limits.RESPONSE_TOO_LARGE, retryable=False) from None
+        # No token stamps: a whole answer has no first token (it is measured by e2e), and an
+        # error answer never has one.
         if up.status < 400:
             ex.read_facts(api.observe_response(body))
             if self._capturing(ex):
@@ -510,10 +526,8 @@ class Proxy:
         return web.Response(status=up.status, body=body, headers=headers)
 
 
-async def _read_bounded(up: aiohttp.ClientResponse, limit: int | None) -> bytes:
-    """The whole body, or its first `limit` bytes."""
-    if limit is None:
-        return await up.read()
+async def _read_bounded(up: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The body's first `limit` bytes (an error answer passed through)."""
     parts, size = [], 0
     async for chunk in up.content.iter_any():
         parts.append(chunk)

@@ -34,7 +34,8 @@ from gateway.errors import (
     deadline_failure,
 )
 from gateway.exchange import Exchange, now_ns
-from gateway.sse import SSEParser
+from gateway.limits import EVENT_TOO_LARGE, EventTooLarge
+from gateway.sse import DEFAULT_MAX_EVENT_BYTES, SSEParser
 
 if TYPE_CHECKING:
     from gateway.apis.base import Api
@@ -64,11 +65,12 @@ class Splicer:
 
     __slots__ = ("ex", "api", "route", "parser", "pending", "drop_lf", "partial_out", "capture")
 
-    def __init__(self, ex: Exchange, api: Api, capture: list[str] | None = None) -> None:
+    def __init__(self, ex: Exchange, api: Api, capture: list[str] | None = None,
+                 max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
         self.ex = ex
         self.api = api
         self.route = ex.route
-        self.parser = SSEParser()
+        self.parser = SSEParser(max_event_bytes)  # raises EventTooLarge past the bound
         self.pending = b""  # start of an incomplete event
         self.drop_lf = False  # a dropped event ended in CR: the LF opening the next read is its
         self.partial_out = False  # part of an unfinished event went out (over HOLD_LIMIT)
@@ -127,7 +129,8 @@ class Relay:
     def __init__(self, request: web.Request, ex: Exchange, up: aiohttp.ClientResponse,
                  api: Api, headers: object, *, hold_until_first_token: bool,
                  watchdog: Watchdog, keepalive_s: float = 0.0,
-                 capture: list[str] | None = None) -> None:
+                 capture: list[str] | None = None,
+                 max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
         self.request = request
         self.ex = ex
         self.up = up
@@ -136,7 +139,9 @@ class Relay:
         self.hold = hold_until_first_token
         self.watchdog = watchdog
         self.keepalive_s = keepalive_s
-        self.splicer = Splicer(ex, api, capture)
+        self.splicer = Splicer(ex, api, capture, max_event_bytes)
+        self.max_event_bytes = max_event_bytes  # one event, and all that is held before commit
+        self.held_bytes = 0
         self.held: list[bytes] = []  # before commit
         self.t_last_write = 0
         self._commit_lock = asyncio.Lock()
@@ -151,7 +156,10 @@ class Relay:
             if ex.response is not None:
                 return
             resp = web.StreamResponse(status=self.up.status, headers=self.headers)  # type: ignore[arg-type]
-            await resp.prepare(self.request)
+            try:
+                await resp.prepare(self.request)
+            except (ConnectionResetError, aiohttp.ClientConnectionResetError) as e:
+                raise ClientGone() from e
             ex.t_committed = now_ns()
             first, self.held = b"".join(self.held), []
             ex.response = resp
@@ -168,10 +176,13 @@ class Relay:
             await asyncio.sleep(max(0.0, interval - (now_ns() - self.t_last_write) / 1e9))
             if (now_ns() - self.t_last_write) / 1e9 < interval or self.splicer.partial_out:
                 continue
-            await self._commit()
-            if self.ex.response is not None:
-                await write(self.ex.response, PING)
-                self.t_last_write = now_ns()
+            try:
+                await self._commit()
+                if self.ex.response is not None:
+                    await write(self.ex.response, PING)
+            except ClientGone:
+                return  # the reader finds out at its next write; nothing to ping any more
+            self.t_last_write = now_ns()
 
     async def run(self) -> web.StreamResponse:
         pinger = (asyncio.create_task(self._keepalive()) if self.keepalive_s > 0 else None)
@@ -205,8 +216,12 @@ class Relay:
                 else:
                     if out:
                         self.held.append(out)
+                        self.held_bytes += len(out)
                     if not self.hold or ex.t_first_token or ex.done or ex.error_type:
                         await self._commit()
+                    elif self.held_bytes + len(self.splicer.pending) > self.max_event_bytes:
+                        raise EventTooLarge(self.held_bytes + len(self.splicer.pending),
+                                            self.max_event_bytes, "answer without a first token")
                 ex.overhead_ns += now_ns() - t
         except asyncio.CancelledError:
             reason = self.watchdog.claim()
@@ -219,6 +234,8 @@ class Relay:
                                               f"The stream was ended: {reason}.")
         except (TimeoutError, aiohttp.ClientError):
             ex.error_type = "upstream_connection_lost"
+        except EventTooLarge as e:
+            return await self._too_large(e)
         if ex.done:
             await self._commit()
             pending = self.splicer.pending
@@ -239,6 +256,15 @@ class Relay:
     def _client(self) -> web.StreamResponse:
         assert self.ex.response is not None, "committed"
         return self.ex.response
+
+    async def _too_large(self, e: EventTooLarge) -> web.StreamResponse:
+        """Before commit a failed attempt (retried once: a second upstream may behave, a third
+        read of the same flood would not help); after commit an error event."""
+        self.held = []
+        if not self.ex.t_committed:
+            again = not any(a.result == EVENT_TOO_LARGE for a in self.ex.attempts)
+            raise AttemptFailed(EVENT_TOO_LARGE, 502, str(e), EVENT_TOO_LARGE, retryable=again)
+        return await self._end_with_error(EVENT_TOO_LARGE, UPSTREAM_ERROR, str(e))
 
     async def _end_with_error(self, reason: str, outcome: str, message: str,
                               code: str | None = None) -> web.StreamResponse:

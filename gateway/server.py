@@ -14,7 +14,7 @@ from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
 import gateway
-from gateway import config as config_mod
+from gateway import config as config_mod, limits, listener
 from gateway.admission.controller import AdmissionController
 from gateway.apis import LOCAL_ROUTES, ROUTES, chat, messages
 from gateway.apis.base import Api, Handler
@@ -50,6 +50,7 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
     """The gateway app: the runtime policies (auth, SLO, router, admission) are built here from
     the config's data. `tracing`/`otlp_metrics` default to what the config and the standard
     OTEL_* variables say (tests pass their own exporters)."""
+    listener.install_log_redaction()
     # The body limit is enforced by ingress (with a clear error), not by aiohttp's reader.
     app = web.Application(client_max_size=cfg.server.max_body_bytes + 1)
     app[CONFIG_KEY] = cfg
@@ -183,7 +184,8 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
     async def not_found(request: web.Request) -> web.Response:
         return web.Response(status=404, content_type="application/json",
                             body=client_api(request).error_body(
-                                404, f"Unknown route {request.method} {request.path}.",
+                                404, f"Unknown route {limits.clip(request.method, 16)} "
+                                f"{limits.clip(request.path)}.",
                                 "unknown_route"))
 
     for path in ROUTES:
@@ -285,19 +287,32 @@ async def drain(app: web.Application, timeout_s: float) -> None:
             await asyncio.sleep(0.01)
 
 
-async def serve(cfg: Config, host: str, port: int) -> None:
-    """Serve until SIGTERM/SIGINT, then drain: /readyz turns false, listening stops after the
-    readiness grace, requests in flight get the drain timeout."""
-    app = build_app(cfg)
+async def start(app: web.Application, cfg: Config, host: str,
+                port: int) -> tuple[web.AppRunner, listener.GuardedSite]:
+    """Listen with the listener limits of [server] (header deadline, idle keep-alive timeout,
+    connection caps in total and per client address, descriptor budget)."""
+    s = cfg.server
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=cfg.server.drain_timeout_s + 5)
+                           shutdown_timeout=s.drain_timeout_s + 5,
+                           **listener.runner_kwargs(s))
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    max_conns = listener.fd_budget(s.max_connections, sum(b.pool_size for b in cfg.backends))
+    guard = listener.ConnectionGuard(max_conns, s.max_connections_per_client,
+                                     s.header_timeout_s, app[METRICS_KEY])
+    site = listener.GuardedSite(runner, host, port, guard)
     try:
         await site.start()
     except OSError as e:  # one line for the user, and no unclosed upstream sessions
         await runner.cleanup()
         raise ListenError(describe_listen_error(e, host, port)) from None
+    return runner, site
+
+
+async def serve(cfg: Config, host: str, port: int) -> None:
+    """Serve until SIGTERM/SIGINT, then drain: /readyz turns false, listening stops after the
+    readiness grace, requests in flight get the drain timeout."""
+    app = build_app(cfg)
+    runner, site = await start(app, cfg, host, port)
     # Everything allocated so far lives for the process; keep the collector off it, and
     # collect the young generation less often (the relay allocates a little per read).
     gc.freeze()

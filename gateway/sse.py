@@ -8,8 +8,15 @@ Parsing follows WHATWG HTML §9.2.6: lines end with CRLF, LF or CR (a CRLF split
 one line end); `:` starts a comment; a field's value loses one leading space; `data` lines are
 joined with LF; a blank line dispatches the event if it has data; an unterminated event at EOF is
 discarded. A leading UTF-8 BOM is skipped.
+
+Bounded: an event whose data (or an unterminated line) grows past `max_event_bytes` raises
+EventTooLarge instead of growing the parser's buffers (an upstream that never sends a newline).
 """
 from __future__ import annotations
+
+from gateway.limits import EventTooLarge
+
+DEFAULT_MAX_EVENT_BYTES = 8 * 1024 * 1024
 
 _LF = 10
 _CR = 13
@@ -35,9 +42,12 @@ class SSEEvent:
 
 class SSEParser:
     __slots__ = ("_parts", "_skip_lf", "_data", "_event", "_fields", "_started", "comments",
-                 "hold_from")
+                 "hold_from", "max_event_bytes", "_part_size", "_data_size")
 
-    def __init__(self) -> None:
+    def __init__(self, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
+        self.max_event_bytes = max_event_bytes
+        self._part_size = 0  # bytes in _parts
+        self._data_size = 0  # bytes in _data
         self._parts: list[bytes] = []  # pieces of an unterminated line
         self._skip_lf = False  # the previous read ended with CR: a leading LF belongs to it
         self._data: list[bytes] = []
@@ -70,9 +80,10 @@ class SSEParser:
         if not has_cr and self._started and not self._fields and not self._parts:
             # Fast path for what engines send: whole `data: <one line>\n\n` events.
             startswith = chunk.startswith
+            limit = self.max_event_bytes
             while pos < n and startswith(b"data: ", pos):
                 i = find(b"\n", pos)
-                if i < 0 or i + 1 >= n or chunk[i + 1] != _LF:
+                if i < 0 or i + 1 >= n or chunk[i + 1] != _LF or i - pos > limit:
                     break
                 events.append(SSEEvent(None, chunk[pos + 6:i], pos, i + 2))
                 pos = i + 2
@@ -103,12 +114,16 @@ class SSEParser:
                 if start is None:
                     start = -1 if self._parts else pos
                 self._parts.append(chunk[pos:] if pos else chunk)
+                self._part_size += n - pos
+                if self._part_size + self._data_size > self.max_event_bytes:
+                    raise EventTooLarge(self._part_size + self._data_size, self.max_event_bytes)
                 break
             line_start = -1 if self._parts else pos
             if self._parts:
                 self._parts.append(chunk[pos:i])
                 line = b"".join(self._parts)
                 self._parts.clear()
+                self._part_size = 0
             else:
                 line = chunk[pos:i]
             if chunk[i] == _CR:
@@ -133,6 +148,7 @@ class SSEParser:
                 data = b"\n".join(self._data)
                 events.append(SSEEvent(self._event, data, -1 if start is None else start, nxt))
                 self._data = []
+                self._data_size = 0
                 self._event = None
                 self._fields = False
                 start = None
@@ -156,6 +172,9 @@ class SSEParser:
             value = line[colon + 2 :] if line[colon + 1 : colon + 2] == b" " else line[colon + 1 :]
         if name == b"data":
             self._data.append(value)
+            self._data_size += len(value) + 1
+            if self._data_size > self.max_event_bytes:
+                raise EventTooLarge(self._data_size, self.max_event_bytes)
         elif name == b"event":
             self._event = value
         # id / retry / unknown fields: nothing to observe; their bytes pass through untouched.

@@ -47,7 +47,8 @@ async def slogate(*args: str, ready_path: str, env: dict[str, str] | None = None
         yield Proc(popen, url, log)
     finally:
         stop_process(popen)
-        log.unlink(missing_ok=True)
+        if not os.environ.get("SLOGATE_KEEP_PROC_LOG"):
+            log.unlink(missing_ok=True)
 
 
 @contextlib.asynccontextmanager

@@ -286,3 +286,13 @@ async def test_simulator_examples_stream_through_the_gateway(name) -> None:
     assert r.status == 200 and r.content_type == "text/event-stream", text[:300]
     assert text.endswith("\n\n") and len(text.split("\n\n")) > 3
     assert listed == [model]
+
+
+def test_a_backends_key_variable_is_not_warned_about(caplog) -> None:
+    raw = {"auth": {"mode": "open"}, "backends": [
+        {"name": "a", "base_url": "http://h:1/v1", "models": ["m"],
+         "api_key_env": "SLOGATE_UPSTREAM_KEY"}]}
+    with caplog.at_level("WARNING", logger="slogate.config"):
+        config.parse(raw, env={"SLOGATE_UPSTREAM_KEY": "sk-secret", "SLOGATE_SERVR_PORT": "1"})
+    assert "SLOGATE_SERVR_PORT" in caplog.text
+    assert "SLOGATE_UPSTREAM_KEY" not in caplog.text and "sk-secret" not in caplog.text

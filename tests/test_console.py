@@ -94,11 +94,6 @@ def test_memory_is_bounded_at_a_thousand_requests_a_second() -> None:
     inter = snap["classes"]["interactive"]
     assert inter["requests"] + snap["classes"]["batch"]["requests"] == 120_000
     assert 180 < inter["ttft_ms"]["p50"] < 230 and inter["goodput"] == 1.0
-    # One record is cheap: well under 20 µs even on a shared CI core.
-    t = time.perf_counter()
-    for i in range(20_000):
-        rec.record(fake_ctx(i))
-    assert (time.perf_counter() - t) / 20_000 < 20e-6
 
 
 def test_window_forgets_old_requests_and_counts_goodput_and_budget() -> None:

@@ -11,7 +11,8 @@ from gateway.sse import SSEParser
 anthropic_api, openai_responses = messages.API, responses.API
 
 
-def observe(api: Api, route: str, stream: bytes) -> tuple[Exchange, list[int]]:
+def observe(api: Api, route: str, stream: bytes,
+            usage_chunks: bool = False) -> tuple[Exchange, list[int]]:
     """Feed the stream one event per read, stamping read i with time i+1; returns the exchange
     and the stamps of the token events."""
     ctx = Exchange(route)
@@ -20,7 +21,7 @@ def observe(api: Api, route: str, stream: bytes) -> tuple[Exchange, list[int]]:
     for t, part in enumerate(stream.split(b"\n\n")[:-1], start=1):
         for ev in parser.feed(part + b"\n\n"):
             info = api.observe(ev, route)
-            assert not info.usage_only  # nothing here is dropped
+            assert usage_chunks or not info.usage_only  # nothing here is dropped
             ctx.event_seen(info, t)
     return ctx, ctx.token_ns
 
@@ -147,3 +148,87 @@ def test_error_bodies_and_stream_error_events_speak_each_format() -> None:
     assert openai_responses.stream_error_event("Cut.", "stream_truncated", 7) == (
         b'event: error\ndata: {"type":"error","code":"stream_truncated","message":"Cut.",'
         b'"param":null,"sequence_number":7}\n\n')
+
+
+# -- prompt (prefix) cache: cached tokens from every format -----------------------------------
+
+def _whole(api: Api, body: bytes) -> Exchange:
+    ctx = Exchange("/")
+    ctx.read_facts(api.observe_response(body))
+    return ctx
+
+
+def test_cached_tokens_anthropic_stream_and_whole() -> None:
+    """cache_read_input_tokens / cache_creation_input_tokens (§2.5); input = all three."""
+    ctx, _ = observe(anthropic_api, "/v1/messages", ANTHROPIC_TEXT_THEN_TOOL)
+    assert (ctx.prompt_tokens, ctx.cached_tokens, ctx.cache_write_tokens) == (412 + 2048, 2048, 0)
+    ctx = _whole(anthropic_api, b'{"id":"msg_1","model":"c","stop_reason":"end_turn","usage":'
+                 b'{"input_tokens":10,"cache_creation_input_tokens":300,'
+                 b'"cache_read_input_tokens":0,"output_tokens":5}}')
+    assert (ctx.prompt_tokens, ctx.cached_tokens, ctx.cache_write_tokens) == (310, 0, 300)
+
+
+def test_cached_tokens_openai_chat_stream_and_whole() -> None:
+    """usage.prompt_tokens_details.cached_tokens on the usage chunk (§1.5), as OpenAI, vLLM
+    with --enable-prompt-tokens-details and Cerebras send it."""
+    usage_chunk = (b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+                   b'"choices":[],"usage":{"prompt_tokens":1800,"completion_tokens":4,'
+                   b'"total_tokens":1804,"prompt_tokens_details":{"cached_tokens":1536,'
+                   b'"audio_tokens":0}}}\n\n')
+    ctx, _ = observe(chat.API, "/v1/chat/completions", usage_chunk + b"data: [DONE]\n\n",
+                     usage_chunks=True)
+    assert (ctx.prompt_tokens, ctx.cached_tokens, ctx.cache_write_tokens) == (1800, 1536, None)
+    ctx = _whole(chat.API, b'{"id":"c","model":"m","choices":[],"usage":{"prompt_tokens":20,'
+                 b'"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":0}}}')
+    assert (ctx.prompt_tokens, ctx.cached_tokens) == (20, 0)
+    # vLLM without --enable-prompt-tokens-details says nothing: unknown, not a miss
+    ctx = _whole(chat.API, b'{"id":"c","model":"m","choices":[],"usage":{"prompt_tokens":20,'
+                 b'"completion_tokens":2,"prompt_tokens_details":null}}')
+    assert (ctx.prompt_tokens, ctx.cached_tokens) == (20, None)
+
+
+def test_cached_tokens_responses() -> None:
+    """usage.input_tokens_details.cached_tokens of the terminal event (§1.9)."""
+    completed = sse("response.completed", '{"type":"response.completed","sequence_number":9,'
+                    '"response":{"id":"resp_8f2","object":"response","status":"completed",'
+                    '"model":"gpt","output":[],"usage":{"input_tokens":1200,'
+                    '"input_tokens_details":{"cached_tokens":1024},"output_tokens":5,'
+                    '"output_tokens_details":{"reasoning_tokens":0},"total_tokens":1205}}}')
+    ctx, _ = observe(openai_responses, "/v1/responses", completed)
+    assert (ctx.prompt_tokens, ctx.cached_tokens) == (1200, 1024)
+
+
+def test_cached_tokens_groq_stream_and_whole() -> None:
+    """Streamed: x_groq.usage.prompt_tokens_details; whole: usage.prompt_tokens_details (its
+    x_groq.usage there is hardware cache statistics, not prompt caching)."""
+    final = (b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+             b'"choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"x_groq":{"id":"r",'
+             b'"usage":{"queue_time":0.04,"prompt_tokens":600,"prompt_time":0.003,'
+             b'"completion_tokens":2,"completion_time":0.02,"total_time":0.023,'
+             b'"prompt_tokens_details":{"cached_tokens":512}}}}\n\n')
+    ctx, _ = observe(chat.API, "/v1/chat/completions", final + b"data: [DONE]\n\n")
+    assert (ctx.prompt_tokens, ctx.cached_tokens) == (600, 512)
+    ctx = _whole(chat.API, b'{"id":"c","model":"m","choices":[],"usage":{"queue_time":0.01,'
+                 b'"prompt_tokens":600,"prompt_time":0.003,"completion_tokens":2,'
+                 b'"completion_time":0.02,"total_time":0.023,"prompt_tokens_details":'
+                 b'{"cached_tokens":0}},"x_groq":{"id":"r","usage":{"dram_cached_tokens":0,'
+                 b'"sram_cached_tokens":16}}}')
+    assert (ctx.prompt_tokens, ctx.cached_tokens) == (600, 0)
+
+
+def test_cached_tokens_cerebras_and_vllm_timing() -> None:
+    """Cerebras: usage.prompt_tokens_details next to time_info on the final chunk. vLLM's
+    prefill is its TTFT minus its queue: inferred, and said so."""
+    final = (b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+             b'"choices":[],"usage":{"prompt_tokens":40,"completion_tokens":11,'
+             b'"total_tokens":51,"prompt_tokens_details":{"cached_tokens":32}},"time_info":'
+             b'{"queue_time":0.0004,"prompt_time":0.0021,"completion_time":0.0068,'
+             b'"total_time":0.0125,"created":1767225800.41}}\n\n')
+    ctx, _ = observe(chat.API, "/v1/chat/completions", final + b"data: [DONE]\n\n",
+                     usage_chunks=True)
+    assert (ctx.prompt_tokens, ctx.cached_tokens, ctx.provider_prefill_inferred) == (40, 32, False)
+    ctx = _whole(chat.API, b'{"id":"c","model":"m","choices":[],"usage":{"prompt_tokens":40,'
+                 b'"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":16}},'
+                 b'"metrics":{"time_to_first_token_ms":50.0,"queue_time_ms":20.0}}')
+    assert (ctx.cached_tokens, ctx.provider_queue_s) == (16, 0.02)
+    assert abs(ctx.provider_prefill_s - 0.03) < 1e-9 and ctx.provider_prefill_inferred

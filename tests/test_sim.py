@@ -264,7 +264,8 @@ async def test_sim_config_changes_speed_at_runtime() -> None:
 
 
 async def test_prefix_cache_skips_shared_prefill() -> None:
-    async with sim(prefill_tokens_per_s=100_000.0, prefix_cache_bytes=40_000) as url:
+    async with sim(prefill_tokens_per_s=100_000.0, prefix_cache_bytes=40_000,
+                   prompt_tokens_details=True) as url:
         system = "s" * 40_000  # 10k tokens = 100 ms of prefill
         body = {"model": "m", "max_tokens": 2, "stream_options": {"include_usage": True},
                 "messages": [{"role": "system", "content": system},

@@ -79,14 +79,16 @@ async def test_spans_of_a_streamed_request_join_the_callers_trace() -> None:
     (connect,) = rec.by_name("upstream.connect")  # a new pooled connection was opened
     assert connect.parent_id == upstream.span_id
     (queue,) = rec.by_name("gateway.queue")
-    (prefill,) = rec.by_name("upstream.prefill")
+    (headers,) = rec.by_name("upstream.headers")
+    (after,) = rec.by_name("upstream.first_token_after_headers")
     (decode,) = rec.by_name("upstream.decode")
     assert queue.parent_id == server.span_id
-    assert prefill.parent_id == upstream.span_id and decode.parent_id == upstream.span_id
+    for s in (headers, after, decode):
+        assert s.parent_id == upstream.span_id
     ev = server.events
     assert set(ev) >= {"first_event", "first_token", "first_visible", "last_token"}
-    assert server.start <= queue.start <= queue.end <= upstream.start == prefill.start
-    assert prefill.end == ev["first_token"] == decode.start
+    assert server.start <= queue.start <= queue.end <= upstream.start == headers.start
+    assert headers.end == after.start and after.end == ev["first_token"] == decode.start
     assert decode.end == ev["last_token"] <= upstream.end <= server.end
     a = server.attrs
     assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.provider.name"] == "vllm"
@@ -97,6 +99,14 @@ async def test_spans_of_a_streamed_request_join_the_callers_trace() -> None:
     assert a["slogate.backend"] == "sim" and a["server.address"] == "127.0.0.1"
     assert abs(a["slogate.ttft_ms"] - (ev["first_token"] - server.start) / 1e6) < 0.01
     assert a["slogate.tpot_ms"] > 0
+    # The TTFT's stages, under the dashboard's names, add up to the TTFT.
+    stages = {k[len("slogate.ttft."):-3]: v for k, v in a.items()
+              if k.startswith("slogate.ttft.") and k.endswith("_ms")}
+    assert set(stages) >= {"gateway_queue", "upstream_connect", "upstream_headers",
+                           "first_token_after_headers"}
+    assert abs(sum(stages.values()) - a["slogate.ttft_ms"]) < 0.01
+    assert a["slogate.ttft.gateway_queue.source"] == "measured"
+    assert a["slogate.ttft.largest_stage"] in stages and "slogate.ttft.miss_stage" not in a
     # The TTFT bucket that holds this request points at its trace (OpenMetrics exemplar).
     assert any(line.startswith("slogate_time_to_first_token_seconds_bucket")
                and f'# {{trace_id="{caller_trace}"}}' in line
@@ -150,7 +160,7 @@ async def test_provider_reported_stages_become_provider_spans(final, queue, pref
     assert spans["provider.queue"].end == spans["provider.prefill"].start
     assert spans["provider.prefill"].end == spans["provider.decode"].start
     # No stage the provider did not report is made up: gateway-measured spans say so.
-    assert rec.by_name("upstream.prefill")[0].attrs["slogate.timing.source"] == "gateway"
+    assert rec.by_name("upstream.headers")[0].attrs["slogate.timing.source"] == "gateway"
     assert ('slogate_provider_queue_seconds_count{backend="sim",model="m",'
             'route="/v1/chat/completions"} 1.0') in prom_text
 
@@ -223,9 +233,21 @@ async def _stream_and_time(session: aiohttp.ClientSession, url: str,
     return first - t0, ((last - first) / (n - 1) if n > 1 else None)
 
 
+async def _other(session: aiohttp.ClientSession, url: str, headers: dict, stream: bool,
+                 max_tokens: int) -> int:
+    """A request whose answer has no first token (non-streamed, or an error): its status."""
+    async with session.post(url, headers=headers, json={
+            "model": "m", "stream": stream, "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": "hello " * 50}]}) as r:
+        await r.read()
+        return r.status
+
+
 async def test_prometheus_scrape_agrees_with_the_client(caplog) -> None:
     """A real Prometheus scrapes the gateway under load: its P99 TTFT agrees with the client's
-    within one bucket, and its goodput ratio equals the fraction the client computes."""
+    within one bucket, and its goodput ratio equals the fraction the client computes. Slow
+    non-streamed answers (~1.8 s) and upstream errors are mixed in: they are no TTFT (had they
+    been, P99 TTFT would sit near 1.8 s), only E2E."""
     caplog.set_level(logging.INFO, logger="slogate.access")
     sim_app = build_sim(SimConfig(decode_base_ms=3, decode_per_seq_ms=0, max_batch=64,
                                   prefill_tokens_per_s=2e5))
@@ -246,9 +268,19 @@ async def test_prometheus_scrape_agrees_with_the_client(caplog) -> None:
                     ttft, tpot = await _stream_and_time(s, url, headers)
                     results.append((ttft, tpot, slow))
 
+                others: list[tuple[int, bool]] = []
+
+                async def other(i: int) -> None:
+                    if i % 2 == 0:  # a non-streamed answer, slower than any streamed TTFT
+                        others.append((await _other(s, url, {}, False, 600), False))
+                    else:  # an upstream 400 passed through, streamed or not
+                        others.append((await _other(s, url, {"x-sim-status": "400"},
+                                                    i % 4 == 1, 4), i % 4 == 1))
+
                 for batch in range(6):
-                    await asyncio.gather(*(one(batch * 8 + i) for i in range(8)))
-                n = len(results)
+                    await asyncio.gather(*(one(batch * 8 + i) for i in range(8)),
+                                         *(other(batch * 4 + i) for i in range(4)))
+                n = len(results) + len(others)
 
                 async def all_scraped() -> bool:
                     return await prom.scalar("sum(slogate_requests_total)") == n
@@ -262,6 +294,9 @@ async def test_prometheus_scrape_agrees_with_the_client(caplog) -> None:
                     '/ sum(slogate_slo_requests_total)')
                 per_class = await prom.query(
                     'sum by (slo_class, verdict) (slogate_slo_requests_total)')
+                ttft_count = await prom.scalar("sum(slogate_time_to_first_token_seconds_count)")
+                e2e_unstreamed = await prom.scalar(
+                    'sum(slogate_request_duration_seconds_count{stream="false"})')
     from gateway.telemetry.prometheus import LATENCY_BUCKETS
     client_p99 = _pct([r[0] for r in results], 0.99)
     bounds = sorted(set(LATENCY_BUCKETS) | {0.3, 0.05})
@@ -270,11 +305,15 @@ async def test_prometheus_scrape_agrees_with_the_client(caplog) -> None:
         return next(i for i, b in enumerate([*bounds, float("inf")]) if v <= b)
 
     assert abs(idx(p99) - idx(client_p99)) <= 1, (p99, client_p99)
+    assert ttft_count == len(results)  # streamed answers with a first token, nothing else
+    assert e2e_unstreamed == sum(1 for _, streamed in others if not streamed)
+    assert sorted({status for status, _ in others}) == [200, 400]
     met = sum(1 for ttft, tpot, slow in results if ttft <= 0.3 and (tpot is None or tpot <= 0.05))
     assert good == pytest.approx(met / n)
-    assert met == n - sum(1 for r in results if r[2])
+    assert met == len(results) - sum(1 for r in results if r[2])
     assert {r["metric"]["slo_class"] for r in per_class} == {"interactive"}
-    assert {r["metric"]["verdict"] for r in per_class} == {"met", "ttft_missed"}
+    # the slow non-streamed answers miss on their whole answer; errors fail
+    assert {r["metric"]["verdict"] for r in per_class} == {"met", "ttft_missed", "failed"}
 
 
 async def test_gateway_ttft_matches_client_ttft_on_loopback() -> None:
@@ -312,9 +351,10 @@ async def test_gateway_ttft_matches_client_ttft_on_loopback() -> None:
     p99 = diffs[min(len(diffs) - 1, round(0.99 * (len(diffs) - 1)))]
     print(f"client - gateway TTFT: p50 {diffs[len(diffs) // 2]:.3f} ms, p99 {p99:.3f} ms")
     assert all(d > 0 for d in diffs)  # the client cannot see a token before the gateway does
-    # Generous bounds: the 2-core machines are shared; exact figures go in the notes.
-    assert diffs[len(diffs) // 2] < 2.0
-    assert p99 < 10.0
+    # Generous bounds: the 2-core machines are shared (the client's own scheduling delay is in
+    # every difference); exact figures go in the notes and the benchmarks.
+    assert diffs[len(diffs) // 2] < 5.0
+    assert p99 < 25.0
 
 
 async def test_trace_sampling_ratio_zero_exports_no_spans_but_keeps_metrics(monkeypatch) -> None:

@@ -37,9 +37,10 @@ def event(kind: str, obj: dict[str, Any]) -> bytes:
 
 
 def _usage(seq: Any) -> dict[str, Any]:
-    """Anthropic's input_tokens exclude cache reads."""
-    return {"input_tokens": seq.prompt_tokens - seq.cached_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": seq.cached_tokens}
+    """Anthropic's input_tokens exclude cache reads and writes (a miss writes the prefix)."""
+    return {"input_tokens": seq.prompt_tokens - seq.cached_tokens - seq.cache_write_tokens,
+            "cache_creation_input_tokens": seq.cache_write_tokens,
+            "cache_read_input_tokens": seq.cached_tokens}
 
 
 def stop_reason(seq: Any, out: Output) -> str:

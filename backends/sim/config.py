@@ -37,6 +37,10 @@ class SimConfig:
                        choices=PROVIDERS)
     per_request_metrics: bool = _k(False, "vLLM's per-request `metrics` object on the usage chunk "
                                    "and whole responses (vllm --enable-per-request-metrics)")
+    prompt_tokens_details: bool = _k(False, "vLLM's usage.prompt_tokens_details.cached_tokens "
+                                     "(vllm --enable-prompt-tokens-details); the groq and "
+                                     "cerebras flavours, Responses and Messages always report "
+                                     "their prompt cache")
 
     # --- engine physics ------------------------------------------------------------------
     max_batch: int = _k(256, "max running sequences (vllm max_num_seqs)")

@@ -46,7 +46,8 @@ class Seq:
     """One request inside the engine."""
 
     __slots__ = (
-        "prompt_tokens", "cached_tokens", "report_cached", "prefix_key", "prefill_left",
+        "prompt_tokens", "cached_tokens", "cache_write_tokens", "prefix_key",
+        "prefill_left",
         "target", "finish_reason", "tokens", "generated", "state", "next_at",
         "stall_s", "token_delay_s", "cut_after", "error_after", "fault_at",
         "t_arrival", "t_scheduled", "t_prefill_done", "t_first", "t_last", "t_end",
@@ -61,7 +62,7 @@ class Seq:
         tokens: bytes,
         *,
         cached_tokens: int = 0,
-        report_cached: bool = False,
+        cache_write_tokens: int = 0,
         prefix_key: Any = None,
         stall_s: float = 0.0,
         token_delay_s: float = 0.0,
@@ -72,7 +73,7 @@ class Seq:
     ) -> None:
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = cached_tokens
-        self.report_cached = report_cached
+        self.cache_write_tokens = cache_write_tokens  # prefix tokens a miss writes to the cache
         self.prefix_key = prefix_key
         self.prefill_left = max(1, prompt_tokens - cached_tokens)
         self.target = target

@@ -97,6 +97,9 @@ class Output:
     tool: str | None = None
     flavour: str = "vllm"
     per_request_metrics: bool = False  # vLLM's `metrics` object (--enable-per-request-metrics)
+    # usage.prompt_tokens_details.cached_tokens: Groq and Cerebras always send it, vLLM only
+    # with --enable-prompt-tokens-details
+    cache_details: bool = False
 
     def parts(self, seq: Any) -> tuple[str, str]:
         """(reasoning text, text or tool-argument text) of a finished sequence."""
@@ -148,7 +151,7 @@ def usage_obj(seq: Any, out: Output | None = None) -> dict[str, Any]:
         "completion_tokens": seq.generated,
         "total_tokens": seq.prompt_tokens + seq.generated,
     }
-    if seq.report_cached:
+    if out is not None and out.cache_details:
         u["prompt_tokens_details"] = {"cached_tokens": seq.cached_tokens}
     if out is not None and out.reasoning:
         u["completion_tokens_details"] = {"reasoning_tokens": min(out.reasoning, seq.generated)}
@@ -171,7 +174,8 @@ def groq_usage(seq: Any) -> dict[str, Any]:
     return {"queue_time": queue, "prompt_tokens": seq.prompt_tokens, "prompt_time": prompt,
             "completion_tokens": seq.generated, "completion_time": completion,
             "total_tokens": seq.prompt_tokens + seq.generated,
-            "total_time": round(prompt + completion, 6)}
+            "total_time": round(prompt + completion, 6),
+            "prompt_tokens_details": {"cached_tokens": seq.cached_tokens}}
 
 
 def time_info(seq: Any) -> dict[str, Any]:
@@ -385,7 +389,7 @@ def completion_body(rid: str, created: int, model: str, seq: Any, out: Output = 
             "logprobs": None,
             "finish_reason": seq.finish_reason,
         }],
-        "usage": usage_obj(seq),
+        "usage": usage_obj(seq, out),
     }, rid, seq, out)
 
 

@@ -395,17 +395,18 @@ def make_seq(p: Parsed, f: Faults, cfg: SimConfig, engine: Engine) -> Seq:
     room = min(cfg.max_output_tokens, cfg.max_model_len - p.prompt_tokens)
     if target > room:
         target, reason = room, LENGTH
-    cached = 0
+    cached = written = 0
     key = None
     if cfg.prefix_cache_bytes:
         head = p.prompt[: cfg.prefix_cache_bytes]
         key = (len(head), hash(head))
-        cached = engine.lookup_prefix(key, min(len(head) // cfg.bytes_per_token,
-                                               p.prompt_tokens - 1))
+        prefix_tokens = min(len(head) // cfg.bytes_per_token, p.prompt_tokens - 1)
+        cached = engine.lookup_prefix(key, prefix_tokens)
+        written = 0 if cached else prefix_tokens  # a miss fills the cache once prefilled
     return Seq(
         p.prompt_tokens, target, reason, rng.randbytes(target),
         cached_tokens=cached,
-        report_cached=bool(cfg.prefix_cache_bytes),
+        cache_write_tokens=written,
         prefix_key=key,
         stall_s=math.inf if f.hang == "first_token" else f.stall_ms / 1000.0,
         token_delay_s=f.token_delay_ms / 1000.0,
@@ -539,9 +540,10 @@ def _output(p: Parsed, f: Faults, ep: Endpoint, cfg: SimConfig) -> formats.Outpu
     reasoning = f.reasoning_tokens
     if reasoning is None:
         reasoning = cfg.reasoning_tokens if p.wants_reasoning else 0
-    return formats.Output(reasoning=reasoning, tool=p.tool,
-                          flavour=f.provider or ep.provider or cfg.provider,
-                          per_request_metrics=cfg.per_request_metrics)
+    flavour = f.provider or ep.provider or cfg.provider
+    return formats.Output(reasoning=reasoning, tool=p.tool, flavour=flavour,
+                          per_request_metrics=cfg.per_request_metrics,
+                          cache_details=flavour != "vllm" or cfg.prompt_tokens_details)
 
 
 async def _handle(request: web.Request, ep: Endpoint) -> web.StreamResponse:

@@ -302,7 +302,13 @@ def latency_row() -> dict[str, Any]:
         lat("Inter-token latency", "slogate_inter_token_latency_seconds", BM,
             "Every gap between successive token events of a stream."),
         lat("End-to-end request duration", "slogate_request_duration_seconds", BMS,
-            "Request received → end of the response."),
+            "Request received → end of the response (streamed and non-streamed)."),
+        timeseries("P99 end-to-end duration, streamed vs not",
+                   "A non-streamed answer has no first token: it is measured here (stream = "
+                   "false), never in the TTFT panels.",
+                   targets(target(quantile(0.99, "slogate_request_duration_seconds", BMS,
+                                           "stream"), "stream={{stream}}")),
+                   "s", w=24, h=6),
         heatmap("Time to first token: distribution",
                 "Requests per TTFT bucket over time (all selected backends, models and "
                 "classes). Exemplars, where the gateway exposes them, link to their trace.",
@@ -346,6 +352,60 @@ def stages_row() -> dict[str, Any]:
                                              ("slogate_provider_queue_seconds", "provider queue"),
                                              ("slogate_provider_prefill_seconds", "prefill")))),
                    "s", w=24),
+    ])
+
+
+def waited_row() -> dict[str, Any]:
+    """Why P99 TTFT is high: the TTFT of every answer that missed its class's target is split
+    into stages that add up to it (gateway/telemetry/attribution.py); the largest one is
+    counted. Prompt length and prefix-cache hits are the other two suspects."""
+    miss = "slogate_ttft_miss_total"
+    stage_s = "slogate_ttft_miss_stage_seconds_total"
+    by_prompt = "slogate_time_to_first_token_by_prompt_seconds"
+    cache = "slogate_prompt_cache_tokens_total"
+    return row("What the slowest requests waited for", [
+        timeseries("Share of missed TTFTs' time by stage",
+                   "Of all the TTFT seconds of answers that missed their class's TTFT target, "
+                   "the share spent in each stage: gateway_queue (received → first send: body, "
+                   "admission wait), retries (failed attempts and backoff), upstream_connect, "
+                   "upstream_headers (send → headers, less connect), engine_queue and prefill "
+                   "(as the provider reported them; absent when it reports nothing) and "
+                   "first_token_after_headers. The stages add up to each request's TTFT.",
+                   # clamp_min: a window without misses shows 0, not "no data"
+                   targets((f"sum by (stage) ({rate(stage_s, CLS)})\n"
+                            f"  / ignoring(stage) group_left() "
+                            f"clamp_min(sum({rate(stage_s, CLS)}), 1e-9)",
+                            "{{stage}}")),
+                   "percentunit", stack=True, maximum=1),
+        timeseries("Missed TTFTs by largest stage",
+                   "Answers per second that missed their TTFT target, by the stage with the "
+                   "largest share of their TTFT (slogate_ttft_miss_total; the access log's "
+                   "ttft_miss_stage and the span attribute slogate.ttft.miss_stage name the "
+                   "same stage per request).",
+                   targets((f"sum by (slo_class, stage) ({rate(miss, CLS)})",
+                            "{{slo_class}}: {{stage}}")),
+                   "reqps", stack=True),
+        timeseries("P99 TTFT by prompt length",
+                   "P99 time to first token per prompt-length bucket (prompt tokens as the "
+                   "provider counted them, cached ones included; unknown: no usage reported).",
+                   targets(target(quantile(0.99, by_prompt, BM, "prompt_length"),
+                                  "{{prompt_length}}")),
+                   "s", w=8),
+        timeseries("P99 TTFT by prefix cache",
+                   "P99 time to first token per prefix-cache bucket: hit (at least 75% of the "
+                   "prompt read from the provider's prefix cache), partial (some), miss (none), "
+                   "unknown (the provider reported no cache figure).",
+                   targets(target(quantile(0.99, by_prompt, BM, "prefix_cache"),
+                                  "{{prefix_cache}}")),
+                   "s", w=8),
+        timeseries("Prefix-cache hit ratio",
+                   "Cached ÷ all prompt tokens of the answers whose provider reported its "
+                   "prefix cache (OpenAI and vLLM prompt_tokens_details, Responses "
+                   "input_tokens_details, Anthropic cache_read_input_tokens, Groq, Cerebras), "
+                   "per backend and model.",
+                   targets((ratio_or_zero(rate(cache, BM, 'kind="cached"'), rate(cache, BM),
+                                          "backend, model"), "{{backend}} {{model}}")),
+                   "percentunit", maximum=1, w=8),
     ])
 
 
@@ -598,8 +658,8 @@ def layout(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def dashboard() -> dict[str, Any]:
-    rows = [slo_row(), latency_row(), stages_row(), admission_row(), tenants_row(),
-            traffic_row(), failures_row(), overhead_row(), traces_row()]
+    rows = [slo_row(), latency_row(), waited_row(), stages_row(), admission_row(),
+            tenants_row(), traffic_row(), failures_row(), overhead_row(), traces_row()]
     return {
         "id": None,
         "uid": "slogate",

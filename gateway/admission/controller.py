@@ -418,8 +418,8 @@ class AdmissionController:
             if not waiter.future.done():  # cancelled (the client left) while queued
                 waiter.future.cancel()
             self._take_out(waiter)
-            ctx.t_admitted = self.clock()
-            self.metrics.queue_wait.observe((slo.name,), (ctx.t_admitted - waiter.t_queued) / 1e9)
+            # the wait (telemetry/durations.py ADMISSION_WAIT) is recorded in finish
+            ctx.t_queued, ctx.t_admitted = waiter.t_queued, self.clock()
         return ticket
 
     async def _try(self, ctx: Exchange, loads: list[ReplicaLoad], tokens: float,

@@ -10,8 +10,11 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from gateway import limits
+
 log = logging.getLogger("slogate.admission")
 
+MAX_METRICS_BYTES = 4 * 1024 * 1024
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
@@ -48,14 +51,17 @@ async def scrape_forever(session: aiohttp.ClientSession, base_url: str, interval
     failing = False
     while True:
         try:
-            async with session.get(url, timeout=timeout) as r:
+            async with session.get(url, timeout=timeout, allow_redirects=False) as r:
                 if r.status == 200:
-                    report(parse(await r.text()))
+                    # bounded: an engine's /metrics is tens of KiB
+                    text = (await limits.read_capped(r, MAX_METRICS_BYTES)).decode(
+                        "utf-8", "replace")  # the exposition format is UTF-8
+                    report(parse(text))
                     failing = False
                 elif not failing:
                     log.warning("engine metrics %s answered %d", url, r.status)
                     failing = True
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError, limits.ResponseTooLarge) as e:
             if not failing:
                 log.warning("engine metrics %s unreachable: %s", url, type(e).__name__)
                 failing = True

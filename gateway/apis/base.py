@@ -36,6 +36,9 @@ class ProviderTiming:
     queue_s: float | None = None
     prefill_s: float | None = None
     decode_s: float | None = None
+    # prefill_s was computed from other reported numbers (vLLM: its TTFT minus its queue time),
+    # not reported as such
+    prefill_inferred: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +51,13 @@ class EventInfo:
     # relay drops it when it did.
     usage_only: bool = False
     error_type: str | None = None  # an in-band error (bounded string)
-    prompt_tokens: int | None = None
+    prompt_tokens: int | None = None  # all input tokens, cached ones included
     completion_tokens: int | None = None  # cumulative where the API counts cumulatively
+    # Of prompt_tokens: read from the provider's prompt (prefix) cache, and written to it
+    # (Anthropic's cache_creation_input_tokens; OpenAI's cache_write_tokens). None: the
+    # provider said nothing about its cache.
+    cached_tokens: int | None = None
+    cache_write_tokens: int | None = None
     response_id: str | None = None
     response_model: str | None = None
     finish_reasons: tuple[str, ...] = ()
@@ -58,7 +66,8 @@ class EventInfo:
 
     def __post_init__(self) -> None:
         facts = (self.done or self.error_type is not None or self.prompt_tokens is not None
-                 or self.completion_tokens is not None or self.response_id is not None
+                 or self.completion_tokens is not None or self.cached_tokens is not None
+                 or self.cache_write_tokens is not None or self.response_id is not None
                  or bool(self.finish_reasons) or self.timing is not None)
         object.__setattr__(self, "has_facts", facts)
 
@@ -173,6 +182,22 @@ def seconds(value: Any) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
         return float(value)
     return None
+
+
+def count(value: Any) -> int | None:
+    """A non-negative token count, or None."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+def cache_details(details: Any) -> tuple[int | None, int | None]:
+    """(cached, written) tokens of an OpenAI-style `prompt_tokens_details` /
+    `input_tokens_details` object (OpenAI, Responses, vLLM with
+    --enable-prompt-tokens-details, Groq, Cerebras)."""
+    if not isinstance(details, dict):
+        return None, None
+    return count(details.get("cached_tokens")), count(details.get("cache_write_tokens"))
 
 
 def json_object(data: bytes) -> dict[str, Any] | None:

@@ -22,6 +22,7 @@ from gateway.apis.base import (
     Prepared,
     Provider,
     bounded,
+    cache_details,
     json_object,
 )
 
@@ -91,20 +92,29 @@ def _error_type(err: Any) -> str:
 
 def _facts(obj: dict[str, Any], *, token: bool = False, visible: bool = False,
            usage_only: bool = False, finish: tuple[str, ...] = ()) -> EventInfo:
-    """Usage, ids and provider timings of a chunk or a whole response."""
-    prompt, completion = usage_of(obj.get("usage"))
+    """Usage (with the prompt-cache split), ids and provider timings of a chunk or a whole
+    response."""
+    usage = obj.get("usage")
+    prompt, completion = usage_of(usage)
     timing = None
     if completion is not None or "x_groq" in obj or "time_info" in obj or "metrics" in obj:
         found = groq.timing(obj) or cerebras.timing(obj)
         if found is not None:
-            timing, usage = found
+            timing, table = found
             if completion is None:  # Groq's streamed usage lives in x_groq.usage
-                prompt, completion = usage_of(usage)
+                prompt, completion = usage_of(table)
+                usage = table
         else:
             timing = vllm.timing(obj)
+    # OpenAI, vLLM (--enable-prompt-tokens-details), Groq and Cerebras:
+    # usage.prompt_tokens_details.cached_tokens (a part of prompt_tokens). Groq's non-streamed
+    # x_groq.usage holds hardware cache statistics (dram/sram), which are not prompt caching.
+    cached, written = cache_details(usage.get("prompt_tokens_details")
+                                    if isinstance(usage, dict) else None)
     rid = obj.get("id")
     return EventInfo(token=token, visible=visible, usage_only=usage_only,
                      prompt_tokens=prompt, completion_tokens=completion,
+                     cached_tokens=cached, cache_write_tokens=written,
                      response_id=str(rid) if rid is not None else None,
                      response_model=str(obj["model"]) if obj.get("model") is not None else None,
                      finish_reasons=finish, timing=timing)

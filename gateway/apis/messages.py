@@ -22,6 +22,7 @@ from gateway.apis.base import (
     EventInfo,
     Provider,
     bounded,
+    count,
     json_object,
 )
 
@@ -65,19 +66,22 @@ def error_body(status: int, message: str, code: str | None = None,
                                                     "message": message}})
 
 
-def _usage(usage: Any, *, output: bool) -> tuple[int | None, int | None]:
+def _usage(usage: Any, *, output: bool) -> EventInfo:
     """Input tokens per the GenAI conventions: Anthropic's `input_tokens` excludes cached
-    tokens, so cache reads and writes are added. Output tokens are cumulative; message_start's
-    placeholder count is not used (a cut stream then falls back to counted tokens)."""
+    tokens, so cache reads and writes are added (and kept apart as cached / written). Output
+    tokens are cumulative; message_start's placeholder count is not used (a cut stream then
+    falls back to counted tokens)."""
     if not isinstance(usage, dict):
-        return None, None
+        return NOTHING
     prompt = completion = None
+    read = count(usage.get("cache_read_input_tokens"))
+    written = count(usage.get("cache_creation_input_tokens"))
     if isinstance(usage.get("input_tokens"), int):
-        cached = (usage.get("cache_read_input_tokens"), usage.get("cache_creation_input_tokens"))
-        prompt = usage["input_tokens"] + sum(n for n in cached if isinstance(n, int))
+        prompt = usage["input_tokens"] + (read or 0) + (written or 0)
     if output and isinstance(usage.get("output_tokens"), int):
         completion = usage["output_tokens"]
-    return prompt, completion
+    return EventInfo(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=read,
+                     cache_write_tokens=written)
 
 
 class Messages(Api):
@@ -114,16 +118,19 @@ class Messages(Api):
             message = obj.get("message")
             if not isinstance(message, dict):
                 return NOTHING
-            prompt, _ = _usage(message.get("usage"), output=False)
+            u = _usage(message.get("usage"), output=False)
             rid, model = message.get("id"), message.get("model")
-            return EventInfo(prompt_tokens=prompt,
+            return EventInfo(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
+                             cache_write_tokens=u.cache_write_tokens,
                              response_id=str(rid) if rid is not None else None,
                              response_model=str(model) if model is not None else None)
         if kind == "message_delta":
-            prompt, completion = _usage(obj.get("usage"), output=True)
+            u = _usage(obj.get("usage"), output=True)
             delta = obj.get("delta")
             stop = delta.get("stop_reason") if isinstance(delta, dict) else None
-            return EventInfo(prompt_tokens=prompt, completion_tokens=completion,
+            return EventInfo(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                             cached_tokens=u.cached_tokens,
+                             cache_write_tokens=u.cache_write_tokens,
                              finish_reasons=(bounded(stop),) if stop else ())
         if kind == "message_stop":
             return DONE
@@ -138,9 +145,10 @@ class Messages(Api):
         obj = json_object(body)
         if obj is None:
             return NOTHING
-        prompt, completion = _usage(obj.get("usage"), output=True)
+        u = _usage(obj.get("usage"), output=True)
         rid, model, stop = obj.get("id"), obj.get("model"), obj.get("stop_reason")
-        return EventInfo(prompt_tokens=prompt, completion_tokens=completion,
+        return EventInfo(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                         cached_tokens=u.cached_tokens, cache_write_tokens=u.cache_write_tokens,
                          response_id=str(rid) if rid is not None else None,
                          response_model=str(model) if model is not None else None,
                          finish_reasons=(bounded(stop),) if stop else ())

@@ -11,7 +11,16 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gateway.apis import chat
-from gateway.apis.base import NOTHING, TOKEN, VISIBLE_TOKEN, Api, EventInfo, bounded, json_object
+from gateway.apis.base import (
+    NOTHING,
+    TOKEN,
+    VISIBLE_TOKEN,
+    Api,
+    EventInfo,
+    bounded,
+    cache_details,
+    json_object,
+)
 
 if TYPE_CHECKING:
     from gateway.sse import SSEEvent
@@ -32,13 +41,15 @@ def _response_facts(response: Any, *, done: bool = False) -> EventInfo:
     """id, model, usage, outcome of a Response object (streamed lifecycle event or whole)."""
     if not isinstance(response, dict):
         return EventInfo(done=done)
-    prompt = completion = None
+    prompt = completion = cached = written = None
     usage = response.get("usage")
     if isinstance(usage, dict):
         if isinstance(usage.get("input_tokens"), int):
             prompt = usage["input_tokens"]
         if isinstance(usage.get("output_tokens"), int):
             completion = usage["output_tokens"]
+        # usage.input_tokens_details.cached_tokens (a part of input_tokens)
+        cached, written = cache_details(usage.get("input_tokens_details"))
     error_type = None
     finish: tuple[str, ...] = ()
     status = response.get("status")
@@ -52,7 +63,8 @@ def _response_facts(response: Any, *, done: bool = False) -> EventInfo:
         finish = (bounded(reason or status),)
     rid, model = response.get("id"), response.get("model")
     return EventInfo(done=done, error_type=error_type, prompt_tokens=prompt,
-                     completion_tokens=completion,
+                     completion_tokens=completion, cached_tokens=cached,
+                     cache_write_tokens=written,
                      response_id=str(rid) if rid is not None else None,
                      response_model=str(model) if model is not None else None,
                      finish_reasons=finish)

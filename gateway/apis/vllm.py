@@ -2,7 +2,9 @@
 
 Its extras: its StreamOptions default include_usage to true, so a client's `stream_options: {}`
 already brings usage (nothing to inject or strip); with `--enable-per-request-metrics` its
-responses carry `metrics` whose queue time and TTFT give the engine's queue and prefill.
+responses carry `metrics` whose queue time and TTFT give the engine's queue and prefill (the
+prefill inferred: TTFT minus queue); with `--enable-prompt-tokens-details` its usage carries
+`prompt_tokens_details.cached_tokens` (prefix-cache hits), read like OpenAI's.
 Backends of type "openai" with `provider = "vllm"` get this flavour too.
 """
 from __future__ import annotations
@@ -24,7 +26,8 @@ def timing(obj: dict[str, Any]) -> ProviderTiming | None:
         return None
     ttft_ms = seconds(metrics.get("time_to_first_token_ms"))
     prefill = (ttft_ms - queue_ms) / 1e3 if ttft_ms is not None and ttft_ms >= queue_ms else None
-    return ProviderTiming(queue_s=queue_ms / 1e3, prefill_s=prefill)
+    return ProviderTiming(queue_s=queue_ms / 1e3, prefill_s=prefill,
+                          prefill_inferred=prefill is not None)
 
 
 PROVIDER = Provider(name="vllm", family="openai", usage_when_stream_options=True)

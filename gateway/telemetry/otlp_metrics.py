@@ -12,6 +12,8 @@ from opentelemetry.sdk.resources import Resource
 from gateway.config import TelemetryConfig
 from gateway.errors import OK
 from gateway.exchange import Exchange
+from gateway.telemetry import durations as D
+from gateway.telemetry.attribution import cache_bucket, prompt_bucket
 from gateway.telemetry.tracing import _protocol, otlp_endpoint
 
 DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
@@ -56,6 +58,10 @@ class OTLPMetrics:
         self.first_chunk = h("gen_ai.client.operation.time_to_first_chunk", "s",
                              "Time to receive the first chunk of a streamed response.",
                              explicit_bucket_boundaries_advisory=DURATION_BUCKETS)
+        self.ttft = h("slogate.time_to_first_token", "s",
+                      "Streamed answers only: request received to first generated token (the "
+                      "same TTFT as Prometheus' slogate_time_to_first_token_seconds).",
+                      explicit_bucket_boundaries_advisory=DURATION_BUCKETS)
         self.per_chunk = h("gen_ai.client.operation.time_per_output_chunk", "s",
                            "Time between successive chunks of a streamed response.",
                            explicit_bucket_boundaries_advisory=DURATION_BUCKETS)
@@ -79,18 +85,25 @@ class OTLPMetrics:
             attrs["server.port"] = ctx.server_port or 0
         if ctx.outcome != OK:
             attrs["error.type"] = ctx.error_type or ctx.outcome or "_OTHER"
-        if ctx.t_end:
-            self.duration.record((ctx.t_end - ctx.t_received) / 1e9, attrs)
+        e2e = D.E2E.seconds(ctx)
+        if e2e is not None:
+            self.duration.record(e2e, attrs)
         if ctx.prompt_tokens is not None:
             self.token_usage.record(ctx.prompt_tokens, {**attrs, "gen_ai.token.type": "input"})
         if ctx.completion_tokens is not None:
             self.token_usage.record(ctx.completion_tokens,
                                     {**attrs, "gen_ai.token.type": "output"})
-        if ctx.stream and ctx.t_first_event:
-            self.first_chunk.record((ctx.t_first_event - ctx.t_received) / 1e9, attrs)
+        first_chunk = D.FIRST_CHUNK.seconds(ctx)
+        if first_chunk is not None:
+            self.first_chunk.record(first_chunk, attrs)
             if self.chunk_metrics:
                 for gap in ctx.itl_s():
                     self.per_chunk.record(gap, attrs)
+        ttft = D.TTFT.seconds(ctx)
+        if ttft is not None:
+            self.ttft.record(ttft, {**attrs, "slogate.slo_class": ctx.slo.name if ctx.slo else "",
+                                    "slogate.prompt_length": prompt_bucket(ctx),
+                                    "slogate.prefix_cache": cache_bucket(ctx)})
         if ctx.outcome == OK:
             if ctx.provider_queue_s is not None and ctx.provider_prefill_s is not None:
                 self.server_ttft.record(ctx.provider_queue_s + ctx.provider_prefill_s, attrs)

@@ -21,7 +21,10 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar
 from prometheus_client.utils import floatToGoString
 
+from gateway import limits
 from gateway.exchange import Exchange
+from gateway.telemetry import durations as D
+from gateway.telemetry.attribution import cache_bucket, prompt_bucket
 from gateway.telemetry.tenants import TenantMetrics
 
 # TTFT / E2E reach 600 s (reasoning models think for minutes); fine enough at the low end for
@@ -113,16 +116,26 @@ class Metrics:
             return h
 
         self.ttft = hist("time_to_first_token_seconds",
-                         "Time from request received to first generated token (content, "
-                         "reasoning or tool call; not role chunks or pings).", slo, lat)
+                         "Streamed answers only: time from request received to first generated "
+                         "token (content, reasoning or tool call; not role chunks or pings). "
+                         "Non-streamed and error answers have none (see request_duration).",
+                         slo, lat)
+        self.ttft_by_prompt = hist(
+            "time_to_first_token_by_prompt_seconds",
+            "The same TTFT by prompt-length bucket (prompt tokens) and prefix-cache bucket "
+            "(hit: >= 75% of the prompt cached, partial, miss, unknown: not reported).",
+            ("backend", "model", "prompt_length", "prefix_cache"), lat)
         self.tpot = hist("time_per_output_token_seconds",
                          "Per request: (last token - first token) / (output tokens - 1).", slo, tok)
         self.itl = hist("inter_token_latency_seconds",
                         "Gap between successive token events of a stream (one per gap).", base, tok)
         self.duration = hist("request_duration_seconds",
-                             "Time from request received to the end of the response.", slo, lat)
+                             "Time from request received to the end of the response (every "
+                             "request; stream=false: the measure of a non-streamed answer).",
+                             slo + ("stream",), lat)
         self.gateway_queue = hist("gateway_queue_seconds",
-                                  "Time from request received to upstream request sent.", base, lat)
+                                  "Time from request received to its first upstream send (body, "
+                                  "admission wait, routing).", base, lat)
         self.connect = hist("upstream_connect_seconds",
                             "Time to open a new upstream connection (pooled reuse not counted).",
                             base, lat)
@@ -143,6 +156,18 @@ class Metrics:
                                 base + ("outcome",), registry=self.registry)
         self.tokens = Counter("slogate_tokens", "Tokens by kind (prompt, completion).",
                               base + ("kind",), registry=self.registry)
+        self.prompt_cache = Counter("slogate_prompt_cache_tokens",
+                                    "Prompt tokens of answers whose provider reported its prefix "
+                                    "cache, by kind: cached (read from it) or uncached.",
+                                    ("backend", "model", "kind"), registry=self.registry)
+        self.ttft_miss = Counter("slogate_ttft_miss",
+                                 "Streamed answers whose TTFT missed their class's target, by "
+                                 "the stage with the largest share of that TTFT.",
+                                 ("slo_class", "stage"), registry=self.registry)
+        self.ttft_miss_seconds = Counter("slogate_ttft_miss_stage_seconds",
+                                         "Seconds of each TTFT stage, summed over the answers "
+                                         "whose TTFT missed its target.",
+                                         ("slo_class", "stage"), registry=self.registry)
         self.slo_requests = Counter("slogate_slo_requests",
                                     "Finished requests by SLO verdict (met = goodput).",
                                     ("backend", "model", "route", "slo_class", "verdict"),
@@ -185,6 +210,20 @@ class Metrics:
                                   "use (redis = shared across gateways, local = this gateway's "
                                   "share only, Redis unreachable).", ("state",),
                                   registry=self.registry)
+        # The trust boundary: every limit counted (closed label sets, all exposed from zero).
+        self.limits_exceeded = Counter("slogate_limits_exceeded",
+                                       "Requests and upstream attempts refused or ended by a "
+                                       "limit (body timeout, event / response size, ...).",
+                                       ("limit",), registry=self.registry)
+        self.connections_rejected = Counter("slogate_connections_rejected",
+                                            "Client connections refused or closed by a listener "
+                                            "limit.", ("reason",), registry=self.registry)
+        self.open_connections = Gauge("slogate_open_connections",
+                                      "Client connections open now.", registry=self.registry)
+        for name in limits.LIMITS:
+            self.limits_exceeded.labels(name)
+        for name in limits.CONNECTION_REASONS:
+            self.connections_rejected.labels(name)
         self.tenants = TenantMetrics(self.registry, tenants)  # telemetry/tenants.py
         for cls in slo_classes:
             self.queue_depth.labels(cls).set(0)
@@ -210,23 +249,38 @@ class Metrics:
         if ctx.verdict:
             child(self.slo_requests, with_slo + (ctx.verdict,)).inc()
         trace_id = ctx.trace.trace_id if ctx.trace is not None and ctx.trace.sampled else None
-        if ctx.t_end:
-            self.duration.observe(with_slo, (ctx.t_end - ctx.t_received) / 1e9, trace_id)
-        ttft = ctx.ttft_s()
+        e2e = D.E2E.seconds(ctx)
+        if e2e is not None:
+            self.duration.observe(with_slo + ("true" if ctx.stream else "false",), e2e, trace_id)
+        ttft = D.TTFT.seconds(ctx)
         if ttft is not None:
             self.ttft.observe(with_slo, ttft, trace_id)
+            self.ttft_by_prompt.observe((base[0], base[1], prompt_bucket(ctx), cache_bucket(ctx)),
+                                        ttft)
+        split = ctx.ttft_split
+        if split is not None and split.missed:
+            child(self.ttft_miss, (slo_name, split.largest)).inc()
+            for stage, ns in split.ns.items():
+                if ns:
+                    child(self.ttft_miss_seconds, (slo_name, stage)).inc(ns / 1e9)
         tpot = ctx.tpot_s()
         if tpot is not None:
             self.tpot.observe(with_slo, tpot)
         if len(ctx.token_ns) > 1:
             self.itl.observe_gaps_ns(base, ctx.token_ns)
-        if ctx.t_sent:
-            self.gateway_queue.observe(base, (ctx.t_sent - ctx.t_received) / 1e9)
+        wait = D.ADMISSION_WAIT.seconds(ctx)
+        if wait is not None:
+            self.queue_wait.observe((slo_name,), wait)
+        queue = D.GATEWAY_QUEUE.seconds(ctx)
+        if queue is not None:
+            self.gateway_queue.observe(base, queue)
             self.overhead.observe(base, ctx.overhead_s())
-            if ctx.t_headers:
-                self.headers.observe(base, (ctx.t_headers - ctx.t_sent) / 1e9)
-        if ctx.t_connect_start and ctx.t_connect_end:
-            self.connect.observe(base, (ctx.t_connect_end - ctx.t_connect_start) / 1e9)
+        headers = D.UPSTREAM_HEADERS.seconds(ctx)
+        if headers is not None:
+            self.headers.observe(base, headers)
+        connect = D.UPSTREAM_CONNECT.seconds(ctx)
+        if connect is not None:
+            self.connect.observe(base, connect)
         for hist, value in ((self.provider_queue, ctx.provider_queue_s),
                             (self.provider_prefill, ctx.provider_prefill_s),
                             (self.provider_decode, ctx.provider_decode_s)):
@@ -236,7 +290,14 @@ class Metrics:
             child(self.tokens, base + ("prompt",)).inc(ctx.prompt_tokens)
         if ctx.completion_tokens:
             child(self.tokens, base + ("completion",)).inc(ctx.completion_tokens)
+        cached = ctx.cached_tokens
+        if cached is not None and ctx.prompt_tokens:
+            cached = min(cached, ctx.prompt_tokens)
+            child(self.prompt_cache, (base[0], base[1], "cached")).inc(cached)
+            child(self.prompt_cache, (base[0], base[1], "uncached")).inc(ctx.prompt_tokens - cached)
         if ctx.cancel_phase:
             child(self.cancellations, base + (ctx.cancel_phase,)).inc()
         if ctx.interruption:
             child(self.interruptions, base + (ctx.interruption,)).inc()
+        for name in limits.hits(ctx):
+            child(self.limits_exceeded, (name,)).inc()

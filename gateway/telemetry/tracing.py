@@ -25,6 +25,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from gateway.config import TelemetryConfig
 from gateway.errors import OK
 from gateway.exchange import Exchange
+from gateway.telemetry import durations as D
+from gateway.telemetry.attribution import cache_bucket, prompt_bucket
 
 # Monotonic stamps → wall-clock ns for span times (the timeline is monotonic on purpose).
 _EPOCH_OFFSET = time.time_ns() - time.monotonic_ns()
@@ -177,6 +179,12 @@ class Tracing:
             attrs["gen_ai.response.finish_reasons"] = [str(r) for r in ctx.finish_reasons]
         if ctx.prompt_tokens is not None:
             attrs["gen_ai.usage.input_tokens"] = ctx.prompt_tokens
+            attrs["slogate.prompt_length"] = prompt_bucket(ctx)
+            attrs["slogate.prefix_cache"] = cache_bucket(ctx)
+        if ctx.cached_tokens is not None:
+            attrs["gen_ai.usage.cache_read.input_tokens"] = ctx.cached_tokens
+        if ctx.cache_write_tokens is not None:
+            attrs["gen_ai.usage.cache_creation.input_tokens"] = ctx.cache_write_tokens
         if ctx.completion_tokens is not None:
             attrs["gen_ai.usage.output_tokens"] = ctx.completion_tokens
             attrs["slogate.usage.source"] = ctx.usage_source or ""
@@ -184,11 +192,22 @@ class Tracing:
             attrs["slogate.slo_class"] = ctx.slo.name
         if ctx.verdict:
             attrs["slogate.slo.verdict"] = ctx.verdict
-        ttft = ctx.ttft_s()
+        ttft = D.TTFT.seconds(ctx)
         if ttft is not None:
             attrs["slogate.ttft_ms"] = round(ttft * 1e3, 3)
-        if ctx.t_first_event and ctx.t_sent:
-            attrs["gen_ai.response.time_to_first_chunk"] = (ctx.t_first_event - ctx.t_sent) / 1e9
+        first_chunk = D.FIRST_CHUNK.seconds(ctx)
+        if first_chunk is not None:
+            attrs["gen_ai.response.time_to_first_chunk"] = first_chunk
+        split = ctx.ttft_split
+        if split is not None:
+            # The TTFT's stages under the dashboard's names (they add up to slogate.ttft_ms),
+            # and where each number came from: measured, provider or inferred.
+            for stage, ms in split.ms().items():
+                attrs[f"slogate.ttft.{stage}_ms"] = ms
+                attrs[f"slogate.ttft.{stage}.source"] = split.sources[stage]
+            attrs["slogate.ttft.largest_stage"] = split.largest
+            if split.missed:
+                attrs["slogate.ttft.miss_stage"] = split.largest
         tpot = ctx.tpot_s()
         if tpot is not None:
             attrs["slogate.tpot_ms"] = round(tpot * 1e3, 3)
@@ -210,8 +229,12 @@ class Tracing:
                                            attributes=extra)
                 s.end(end_time=b)
 
-        if ctx.t_sent:
-            child("gateway.queue", spans.server_ctx, epoch_ns(ctx.t_received), epoch_ns(ctx.t_sent))
+        if D.GATEWAY_QUEUE.ns(ctx) is not None:
+            child("gateway.queue", spans.server_ctx, epoch_ns(ctx.t_received),
+                  epoch_ns(ctx.t_dispatched))
+        if D.ADMISSION_WAIT.ns(ctx) is not None:
+            child("gateway.admission_wait", spans.server_ctx, epoch_ns(ctx.t_queued),
+                  epoch_ns(ctx.t_admitted))
         up = spans.upstream
         if up is not None:
             up_ctx = trace.set_span_in_context(up)
@@ -228,15 +251,19 @@ class Tracing:
                 up.set_status(Status(StatusCode.ERROR, ctx.outcome))
             up.set_attributes(up_attrs)
             measured = {"slogate.timing.source": "gateway"}
-            if ctx.t_connect_start:
+            if D.UPSTREAM_CONNECT.ns(ctx) is not None:
                 child("upstream.connect", up_ctx, epoch_ns(ctx.t_connect_start),
                       epoch_ns(ctx.t_connect_end), measured)
-            if ctx.t_first_token:
-                child("upstream.prefill", up_ctx, epoch_ns(ctx.t_sent),
+            if D.UPSTREAM_HEADERS.ns(ctx) is not None:
+                child("upstream.headers", up_ctx, epoch_ns(ctx.t_sent),
+                      epoch_ns(ctx.t_headers), measured)
+            if D.TTFT.ns(ctx) is not None and ctx.t_headers:
+                child("upstream.first_token_after_headers", up_ctx, epoch_ns(ctx.t_headers),
                       epoch_ns(ctx.t_first_token), measured)
-                if ctx.t_last_token > ctx.t_first_token:
-                    child("upstream.decode", up_ctx, epoch_ns(ctx.t_first_token),
-                          epoch_ns(ctx.t_last_token), measured)
+            decode = D.DECODE.ns(ctx)
+            if decode:
+                child("upstream.decode", up_ctx, epoch_ns(ctx.t_first_token),
+                      epoch_ns(ctx.t_last_token), measured)
             self._provider_spans(ctx, up_ctx, child)
             up.end(end_time=end)
         server.end(end_time=end)
@@ -247,7 +274,7 @@ class Tracing:
         """Stages the provider reported, placed on our timeline: its prefill ends where we saw
         the first token, its queue ends where its prefill starts, its decode starts at the
         first token. Only what was reported; no split is invented."""
-        if not ctx.t_first_token:
+        if D.TTFT.ns(ctx) is None:
             return
         source = {"slogate.timing.source": "provider",
                   "slogate.timing.anchor": "gateway_first_token"}
@@ -256,7 +283,9 @@ class Tracing:
         queue_end = first
         if prefill is not None:
             queue_end = first - int(prefill * 1e9)
-            child("provider.prefill", up_ctx, queue_end, first, source)
+            child("provider.prefill", up_ctx, queue_end, first,
+                  {**source, "slogate.timing.inferred": True} if ctx.provider_prefill_inferred
+                  else source)
         if ctx.provider_queue_s is not None and prefill is not None:
             child("provider.queue", up_ctx, queue_end - int(ctx.provider_queue_s * 1e9),
                   queue_end, source)

@@ -1,0 +1,171 @@
+"""A hostile upstream and hostile clients, on real loopback sockets.
+
+The upstream misbehaves by the model name it is asked for:
+  flood-line       200 event stream: `data: ` and then bytes without a newline, for ever
+  flood-prefirst   200 event stream: role-only chunks (no token), for ever
+  flood-after      200 event stream: one token, then a line without a newline, for ever
+  bomb             200 JSON, gzip: ~0.4 MB on the wire, 400 MB inflated
+  redirect         307 to another origin (TRAP counts who follows it, with which headers)
+  cookie           200 JSON with Set-Cookie / openai-organization / openai-project, and records
+                   the request headers it got
+Every "for ever" stops once the gateway stops reading (or after `cap` bytes).
+"""
+from __future__ import annotations
+
+import asyncio
+import zlib
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from benchmarks.procstat import open_fds, rss_mib  # noqa: F401 (the hostile test reads them here)
+
+SEEN = web.AppKey("seen", list)  # request headers the `cookie` model received
+TRAP_HITS = web.AppKey("trap_hits", list)  # requests that followed the redirect
+TRAP = web.AppKey("trap", web.Application)
+
+_BOMB: bytes | None = None
+
+
+def gzip_bomb(inflated_mib: int = 400) -> bytes:
+    global _BOMB
+    if _BOMB is None:
+        c = zlib.compressobj(9, zlib.DEFLATED, 31)
+        zeros = b"0" * (1 << 20)
+        _BOMB = b"".join(c.compress(zeros) for _ in range(inflated_mib)) + c.flush()
+    return _BOMB
+
+
+def trap_app() -> web.Application:
+    app = web.Application()
+    app[TRAP_HITS] = []
+
+    async def steal(request: web.Request) -> web.Response:
+        app[TRAP_HITS].append(dict(request.headers))
+        return web.json_response({"stolen": True})
+
+    app.router.add_route("*", "/{tail:.*}", steal)
+    return app
+
+
+def hostile_app(trap_url: str, cap: int = 256 << 20) -> web.Application:
+    app = web.Application(client_max_size=1 << 20)
+    app[SEEN] = []
+    bomb = gzip_bomb()  # made once, before any attack (it takes ~2 s of CPU)
+    chunk_64k = b"x" * 65536
+    role = b'data: {"id":"h","object":"chat.completion.chunk","choices":[{"index":0,' \
+           b'"delta":{"role":"assistant"}}]}\n\n'
+    token = b'data: {"id":"h","object":"chat.completion.chunk","choices":[{"index":0,' \
+            b'"delta":{"content":"hi"}}]}\n\n'
+
+    async def endless(resp: web.StreamResponse, head: bytes, unit: bytes) -> None:
+        await resp.write(head)
+        sent = 0
+        while sent < cap:
+            await resp.write(unit)
+            sent += len(unit)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        body: dict[str, Any] = orjson.loads(await request.read())
+        model = body.get("model", "")
+        if model == "redirect":
+            raise web.HTTPTemporaryRedirect(trap_url + "/steal")
+        if model == "bomb":
+            return web.Response(body=bomb, headers={
+                "Content-Type": "application/json", "Content-Encoding": "gzip"})
+        if model == "cookie":
+            app[SEEN].append(dict(request.headers))
+            return web.Response(body=orjson.dumps({"id": "c", "object": "chat.completion",
+                                                   "choices": []}), headers={
+                "Content-Type": "application/json", "Set-Cookie": "session=upstream-secret",
+                "openai-organization": "org-upstream", "openai-project": "proj-upstream",
+                "x-ratelimit-remaining-requests": "99"})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            if model == "flood-line":
+                await endless(resp, b"data: ", chunk_64k)
+            elif model == "flood-prefirst":
+                await endless(resp, b"", role * 512)
+            elif model == "flood-after":
+                await endless(resp, role + token + b"data: ", chunk_64k)
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        await resp.write_eof()
+        return resp
+
+    app.router.add_post("/{tail:.*}", handler)
+    return app
+
+
+# -- hostile clients -------------------------------------------------------------------------
+
+async def raw_exchange(host: str, port: int, data: bytes, timeout: float = 10.0) -> bytes:
+    """Send `data`, read until the server closes."""
+    r, w = await asyncio.open_connection(host, port)
+    try:
+        w.write(data)
+        await w.drain()
+        return await asyncio.wait_for(r.read(), timeout)
+    finally:
+        w.close()
+
+
+RESET = b"<connection reset>"
+
+
+async def slowloris(host: str, port: int, every_s: float = 0.2, timeout: float = 10.0) -> bytes:
+    """Trickle a request's headers one byte at a time; return what the server answered once
+    it closed the connection (RESET if a reset overtook its answer: under a flood a reset can
+    reach the client before the bytes written ahead of it)."""
+    r, w = await asyncio.open_connection(host, port)
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 10_000
+    reader = asyncio.ensure_future(r.read())
+    try:
+        async with asyncio.timeout(timeout):
+            for b in head:
+                if reader.done():
+                    break
+                try:
+                    w.write(bytes([b]))
+                    await w.drain()
+                except ConnectionError:
+                    break
+                await asyncio.wait([reader], timeout=every_s)
+            try:
+                return await reader
+            except ConnectionResetError:
+                return RESET
+    finally:
+        reader.cancel()
+        w.close()
+
+
+async def idle_connection(host: str, port: int, timeout: float = 10.0) -> bytes:
+    """Connect, send nothing; return what the server said before it closed."""
+    r, w = await asyncio.open_connection(host, port)
+    try:
+        return await asyncio.wait_for(r.read(), timeout)
+    except ConnectionError:
+        return b""
+    finally:
+        w.close()
+
+
+async def body_never_arrives(host: str, port: int, key: str, timeout: float = 10.0) -> bytes:
+    """An authenticated request that announces 1000 bytes of body and sends 10."""
+    return await raw_exchange(host, port, (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {key}\r\nContent-Length: 1000\r\n\r\n").encode()
+        + b'{"model":', timeout)
+
+
+def status_of(raw: bytes) -> int:
+    return int(raw.split(b" ", 2)[1]) if raw.startswith(b"HTTP/") else 0
+
+
+def body_of(raw: bytes) -> bytes:
+    return raw.partition(b"\r\n\r\n")[2]
+
+
