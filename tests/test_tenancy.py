@@ -513,3 +513,43 @@ async def test_in_flight_quota_is_global_across_gateways_through_redis() -> None
                         return (await chat(s, gw, "k"))["status"] == 200
                     await wait_until(admitted, timeout=3, interval=0.05,
                                      what="a request admitted after the slots came back")
+
+
+async def test_slogate_serve_opens_the_admin_listener() -> None:
+    """`slogate serve` with [server] admin_port: /admin/* and /metrics there, behind an admin
+    key; the public listener serves neither."""
+    from procs import sim_and_gateway
+
+    admin_port = free_port()
+    toml = f"""
+[auth]
+mode = "keys"
+[[auth.keys]]
+tenant = "t"
+sha256 = "{hash_key('k-tenant')}"
+[[auth.admin_keys]]
+name = "ops"
+sha256 = "{hash_key(ADMIN)}"
+[server]
+access_log = false
+admin_port = {admin_port}
+admin_metrics = true
+[[backends]]
+name = "sim"
+base_url = "SIM_URL/v1"
+models = ["m"]
+"""
+    async with sim_and_gateway(config_toml=toml) as (_sim, gw), aiohttp.ClientSession() as s:
+        admin = f"http://127.0.0.1:{admin_port}"
+        assert (await chat(s, gw.url, "k-tenant"))["status"] == 200
+        for path in ("/admin/backends", "/metrics"):
+            async with s.get(gw.url + path) as r:
+                assert r.status == 404, path
+        async with s.get(admin + "/admin/backends",
+                         headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+            assert r.status == 200 and (await r.json())["models_without_backend"] == []
+        async with s.get(admin + "/admin/backends",
+                         headers={"Authorization": "Bearer k-tenant"}) as r:
+            assert r.status == 403
+        async with s.get(admin + "/metrics") as r:
+            assert "slogate_tenant_requests_total" in await r.text()
