@@ -486,3 +486,70 @@ async def test_in_flight_quota_and_tenant_metrics() -> None:
                                 verdict="met") >= 1
             assert await metric(s, base, "slogate_tenant_tokens_total", tenant="t",
                                 kind="completion") >= 40
+
+
+async def test_in_flight_quota_is_global_across_gateways_through_redis() -> None:
+    with redis_server() as redis:
+        async with serve_app(build_sim(SimConfig(decode_base_ms=20, decode_per_seq_ms=0))) as sim:
+            cfg = keyed([("a", sim, ["m"])],
+                        [{"key": "k", "tenant": "t", "max_in_flight": 2}],
+                        admission={"enabled": True, "redis_url": redis.url},
+                        server={"access_log": False})
+            async with serve_app(build_app(cfg)) as one, serve_app(build_app(cfg)) as two, \
+                    aiohttp.ClientSession() as s:
+                results = await asyncio.gather(*(
+                    chat(s, one if i % 2 else two, "k", max_tokens=30,
+                         headers={"x-sim-output-tokens": "30"}) for i in range(6)))
+                statuses = sorted(r["status"] for r in results)
+                # Two in flight across both gateways, not two on each.
+                assert statuses == [200, 200, 429, 429, 429, 429], statuses
+                for r in results:
+                    if r["status"] == 429:
+                        assert r["headers"]["x-slogate-admission"] == "quota_in_flight"
+                # Their slots come back (the release reaches Redis in the background): the
+                # tenant can send again, through either gateway.
+                for gw in (one, two):
+                    async def admitted(gw: str = gw) -> bool:
+                        return (await chat(s, gw, "k"))["status"] == 200
+                    await wait_until(admitted, timeout=3, interval=0.05,
+                                     what="a request admitted after the slots came back")
+
+
+async def test_slogate_serve_opens_the_admin_listener() -> None:
+    """`slogate serve` with [server] admin_port: /admin/* and /metrics there, behind an admin
+    key; the public listener serves neither."""
+    from procs import sim_and_gateway
+
+    admin_port = free_port()
+    toml = f"""
+[auth]
+mode = "keys"
+[[auth.keys]]
+tenant = "t"
+sha256 = "{hash_key('k-tenant')}"
+[[auth.admin_keys]]
+name = "ops"
+sha256 = "{hash_key(ADMIN)}"
+[server]
+access_log = false
+admin_port = {admin_port}
+admin_metrics = true
+[[backends]]
+name = "sim"
+base_url = "SIM_URL/v1"
+models = ["m"]
+"""
+    async with sim_and_gateway(config_toml=toml) as (_sim, gw), aiohttp.ClientSession() as s:
+        admin = f"http://127.0.0.1:{admin_port}"
+        assert (await chat(s, gw.url, "k-tenant"))["status"] == 200
+        for path in ("/admin/backends", "/metrics"):
+            async with s.get(gw.url + path) as r:
+                assert r.status == 404, path
+        async with s.get(admin + "/admin/backends",
+                         headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+            assert r.status == 200 and (await r.json())["models_without_backend"] == []
+        async with s.get(admin + "/admin/backends",
+                         headers={"Authorization": "Bearer k-tenant"}) as r:
+            assert r.status == 403
+        async with s.get(admin + "/metrics") as r:
+            assert "slogate_tenant_requests_total" in await r.text()

@@ -367,7 +367,6 @@ class AdmissionController:
             self.quotas.give_back(res)
             raise
         ticket.reservation = res
-        self.quotas.started(res)
         self.metrics.tenants.quota_usage(tenant, self.quotas.usage(tenant, policy))
         return ticket
 
@@ -619,15 +618,13 @@ class AdmissionController:
         """Admit queued requests in fair order where they now fit; reject those whose TTFT is
         out of reach. The first waiter that must wait holds back the ones after it on the same
         model (unless they are in the last quarter of their TTFT budget), so the next free
-        capacity is its; a tenant at its in-flight quota waits without holding anyone."""
+        capacity is its."""
         try:
             ahead: dict[str, float] = {}
             waiting: dict[str, int] = {}  # waiters left waiting ahead, per model
             blocked: set[str] = set()  # models whose turn-holder is waiting
             for waiter in list(self.fair.order()):
                 if waiter.future.done() or not waiter.in_queue:
-                    continue
-                if self.quotas.at_in_flight_quota(waiter.tenant, waiter.policy):
                     continue
                 ctx = waiter.ctx
                 try:

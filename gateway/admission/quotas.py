@@ -1,6 +1,10 @@
 """Tenant quotas: requests and tokens per minute (token buckets), requests in flight and
 requests queued.
 
+Requests in flight: a tenant's requests from the moment admission takes them (queued or
+running) to their end; with Redis the count is global (the same atomic script as a replica's
+cap, key `tenant:<name>`, with the same leases). Requests queued: this gateway's queue.
+
 Requests per minute: a bucket of `requests_per_minute` refilled continuously; a request takes
 one when it reaches admission and gets it back if admission sheds it (a request the gateway
 refused did not use the tenant's capacity). Tokens per minute: the same bucket over prompt +
@@ -10,7 +14,8 @@ answer's usage is known (which may leave the bucket in debt: the next request wa
 
 With Redis (`[admission] redis_url`) the buckets and the in-flight count are global across
 gateways (atomic scripts in admission/shared.py); when Redis is unreachable each gateway
-enforces `redis_share` of every quota on its own, as it does for replica caps.
+enforces `redis_share` of every quota on its own, as it does for replica caps. The queued
+count is per gateway.
 
 A refusal is a `RateLimited` (429 + Retry-After) carrying the numbers for the SDKs' rate-limit
 headers.
@@ -34,6 +39,7 @@ from gateway.errors import (
 )
 
 DEFAULT_OUTPUT_TOKENS = 256
+IN_FLIGHT_PREFIX = "tenant:"  # a tenant's in-flight count in the shared state
 MINUTE = 60.0
 
 
@@ -96,13 +102,22 @@ class TenantQuotas:
         res = Reservation(tenant, policy)
         if not q.any:
             return res
-        if q.max_in_flight and self.in_flight.get(tenant, 0) >= q.max_in_flight:
-            raise RateLimited(f"Tenant '{tenant}' has {q.max_in_flight} requests in flight, "
-                              "its quota; retry when one ends.", QUOTA_IN_FLIGHT, 1.0,
-                              self.limits(policy, tenant))
+        if q.max_in_flight:
+            if self.shared is not None:
+                ok = await self.shared.try_acquire(IN_FLIGHT_PREFIX + tenant, q.max_in_flight)
+            else:
+                ok = self.in_flight.get(tenant, 0) < q.max_in_flight
+            if not ok:
+                raise RateLimited(f"Tenant '{tenant}' has {q.max_in_flight} requests in "
+                                  "flight, its quota; retry when one ends.", QUOTA_IN_FLIGHT,
+                                  1.0, self.limits(policy, tenant))
+            self.in_flight[tenant] = self.in_flight.get(tenant, 0) + 1
+            res.in_flight = True
+            res.shared_in_flight = self.shared is not None
         if q.requests_per_minute:
             ok, left = await self._take(tenant, "requests", q.requests_per_minute, 1.0)
             if not ok:
+                self.give_back(res)
                 raise RateLimited(
                     f"Tenant '{tenant}' is over its {q.requests_per_minute} requests per "
                     "minute.", QUOTA_REQUESTS, (1.0 - left) / (q.requests_per_minute / MINUTE),
@@ -133,22 +148,18 @@ class TenantQuotas:
     def queue_leave(self, tenant: str) -> None:
         self.queued[tenant] = max(0, self.queued.get(tenant, 0) - 1)
 
-    def at_in_flight_quota(self, tenant: str, policy: TenantPolicy) -> bool:
-        cap = policy.quotas.max_in_flight
-        return bool(cap) and self.in_flight.get(tenant, 0) >= cap
-
-    def started(self, res: Reservation) -> None:
-        """The request was admitted: it is in flight until `finished`."""
-        if res.policy.quotas.max_in_flight and not res.in_flight:
-            self.in_flight[res.tenant] = self.in_flight.get(res.tenant, 0) + 1
-            res.in_flight = True
+    def _end_in_flight(self, res: Reservation) -> None:
+        if res.in_flight:
+            self.in_flight[res.tenant] = max(0, self.in_flight.get(res.tenant, 0) - 1)
+            res.in_flight = False
+            if res.shared_in_flight and self.shared is not None:
+                self.shared.release(IN_FLIGHT_PREFIX + res.tenant)
+                res.shared_in_flight = False
 
     def finished(self, res: Reservation, used_tokens: int | None) -> None:
         """The request ended: its in-flight slot back, its token reservation settled against
         what it used (None: unknown, the reservation stands)."""
-        if res.in_flight:
-            self.in_flight[res.tenant] = max(0, self.in_flight.get(res.tenant, 0) - 1)
-            res.in_flight = False
+        self._end_in_flight(res)
         q = res.policy.quotas
         if q.tokens_per_minute and used_tokens is not None:
             self._spawn_take(res.tenant, "tokens", q.tokens_per_minute,
@@ -165,9 +176,7 @@ class TenantQuotas:
             self._spawn_take(res.tenant, "tokens", q.tokens_per_minute, -res.tokens,
                              force=True)
             res.tokens = 0.0
-        if res.in_flight:
-            self.in_flight[res.tenant] = max(0, self.in_flight.get(res.tenant, 0) - 1)
-            res.in_flight = False
+        self._end_in_flight(res)
 
     # -- what the SDKs are told --------------------------------------------------------------
 
