@@ -1,0 +1,92 @@
+"""This checkout's gateway and another revision's, on the same core at the same time, each with
+its own load generator: the cleanest A/B of CPU per token on a machine shared with other work
+(both see the same contention, the same saturation, the same moment).
+
+    python -m benchmarks.paired [--streams 32] [--reps 3] [--duration 8] [--baseline main]
+
+Each gateway gets `--streams` closed-loop streams (100-token answers at 2 ms per token from one
+simulator); the gateways share the second CPU, the simulator and both load generators the
+first. Prints CPU µs per streamed token of each, per repetition and the medians.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks import overhead as ov
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, default=32, help="streams per gateway (default 32)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--duration", type=float, default=8.0)
+    ap.add_argument("--baseline", default="main", help="git revision to compare with")
+    args = ap.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="slogate-paired-"))
+    procs = ov.Procs(tmp)
+    host, py = "127.0.0.1", sys.executable
+    sim_port = ov.free_port(host)
+    allowed = sorted(os.sched_getaffinity(0))
+    load_cpu, gw_cpu = ({allowed[0]}, {allowed[1]}) if len(allowed) > 1 else (None, None)
+    try:
+        procs.start("sim", shlex.split(ov.DEFAULT_SIM_CMD.format(
+            python=py, host=host, port=sim_port, token_ms="2", max_batch="2048")), load_cpu)
+        ov.wait_http(procs, "sim", f"http://{host}:{sim_port}/v1/models")
+        base = tmp / "baseline"
+        base.mkdir()
+        archive = subprocess.run(["git", "archive", args.baseline], cwd=ov.REPO,
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
+        pids, urls = {}, {}
+        for name, cwd in (("gateway", ov.REPO), ("baseline", base)):
+            port = ov.free_port(host)
+            cfg = tmp / f"{name}.toml"
+            cfg.write_text(ov.gateway_config(host, port, sim_port, 512, ""))
+            env = dict(os.environ)
+            if name == "baseline":
+                env["PYTHONPATH"] = str(base)
+            p = procs.start(name, shlex.split(ov.DEFAULT_GATEWAY_CMD.format(
+                python=py, config=cfg, host=host, port=port)), gw_cpu, env=env, cwd=cwd)
+            ov.wait_http(procs, name, f"http://{host}:{port}/healthz")
+            pids[name], urls[name] = p.pid, f"http://{host}:{port}/v1/chat/completions"
+        res: dict[str, list[float]] = {"gateway": [], "baseline": []}
+        for rep in range(args.reps):
+            running = {}
+            for name in res:
+                spec = {"path": f"{name}-{rep}", "url": urls[name], "streams": args.streams,
+                        "warmup": 2.0, "duration": args.duration, "tokens": 100, "token_ms": 2.0,
+                        "grace": 10.0, "watch": {"gateway": pids[name]}}
+                sp, op = tmp / f"spec-{name}-{rep}.json", tmp / f"out-{name}-{rep}.json"
+                sp.write_text(json.dumps(spec))
+                running[name] = (procs.start(f"client-{name}-{rep}", [
+                    py, "-m", "benchmarks.overhead", "--client-spec", str(sp),
+                    "--client-out", str(op)], load_cpu), op)
+            for name, (p, op) in running.items():
+                p.wait()
+                r = json.loads(op.read_text())
+                g = r["cpu"]["gateway"]
+                us = g["cpu_s"] / r["tokens"] * 1e6
+                res[name].append(us)
+                print(f"rep {rep + 1} {name:8s} {r['tokens_per_s']:7.0f} tok/s  {us:5.1f} µs/token"
+                      f"  CPU {g['util'] * 100:3.0f}%  run-queue wait "
+                      f"{g['runq_wait_frac'] * 100:3.0f}%  TTFT p50 {r['ttft_ms']['p50']:.2f} ms",
+                      flush=True)
+        for name, v in res.items():
+            label = "this checkout" if name == "gateway" else args.baseline
+            print(f"{label}: median {statistics.median(v):.1f} µs/token "
+                  f"({', '.join(f'{x:.1f}' for x in v)})")
+    finally:
+        procs.stop_all()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
