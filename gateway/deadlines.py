@@ -59,7 +59,12 @@ class Watchdog:
 
     def first_token(self) -> None:
         """The first token arrived: from now on the idle gap is what can run out (it may be
-        due earlier than the first-token deadline the timer was set for)."""
+        due earlier than the first-token deadline the timer was set for). A token stamped
+        after the deadline is late even if its read ran before the timer's callback (a loop
+        that stalled past both runs I/O first): the stamp decides, not the callback order."""
+        if self.ctx.t_first_token > self.first_token_at:
+            self.fire(FIRST_TOKEN)
+            return
         self._arm()
 
     def _due(self) -> int:

@@ -79,6 +79,19 @@ async def test_first_token_deadline_fires_at_its_instant() -> None:
     assert await req.outcome() == (FIRST_TOKEN, 0)
 
 
+async def test_a_token_stamped_after_the_deadline_is_late_whatever_ran_first() -> None:
+    """A loop that stalls past the deadline and the token's arrival runs the read before the
+    timer: the token's stamp, after the deadline, still makes it a first-token timeout."""
+    clock = FakeClock()
+    req = Request(clock, total_s=60, idle_s=5)
+    wd = await req.start()
+    wd.attempt(first_token_s=0.001, idle_s=5)
+    clock.ns += 50_000_000  # 50 ms pass with no timer run (the stalled loop)
+    req.event()  # the read comes first and stamps the token at 50 ms
+    assert wd.fired == FIRST_TOKEN
+    assert await req.outcome() == (FIRST_TOKEN, 0)
+
+
 async def test_first_token_in_time_then_idle_gap_runs_out() -> None:
     clock = FakeClock()
     req = Request(clock, total_s=60, idle_s=1.0)
