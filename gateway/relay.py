@@ -167,13 +167,15 @@ class Relay:
     def body_data(self, chunk: bytes) -> None:
         if self.end is not None:
             return  # ending already (client gone, event too large): nothing more goes out
+        try:
+            self._relay(chunk)
+        except Exception as e:  # EventTooLarge, or a bug of ours: raised by the coroutine, as
+            self._finish(e)  # before (never into aiohttp's parser, which would blame the upstream)
+
+    def _relay(self, chunk: bytes) -> None:
         ex = self.ex
         t = now_ns()
-        try:
-            out = self.splicer.feed(chunk, t)
-        except EventTooLarge as e:
-            self._finish(e)
-            return
+        out = self.splicer.feed(chunk, t)
         if not self.idle_armed and ex.t_first_token:
             self.watchdog.first_token()
             self.idle_armed = True

@@ -6,6 +6,7 @@ import asyncio
 
 import aiohttp
 import orjson
+import pytest
 from aiohttp import web
 from aiohttp.streams import StreamReader
 
@@ -129,3 +130,46 @@ async def test_a_client_that_does_not_read_stops_the_upstream() -> None:
             tail = (tail + data)[-64:]
         assert tail.endswith(DONE)
         assert got == sent[0] + len(DONE)
+
+
+async def test_a_bug_in_the_sink_is_the_gateways_error_not_the_upstreams(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception while relaying (here: the observer) is raised by the request's coroutine,
+    as before the protocol-level relay: an internal error, not a lost upstream connection."""
+    from gateway.apis import chat
+
+    calls = [0]
+    real = chat.ChatCompletions.observe
+
+    def observe(self, event, route):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("observer bug")
+        return real(self, event, route)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(5):
+            await resp.write(chunk(i))
+            await asyncio.sleep(0.01)
+        await resp.write(DONE)
+        await resp.write_eof()
+        return resp
+
+    up_app = web.Application()
+    up_app.router.add_post("/v1/chat/completions", handler)
+    monkeypatch.setattr(chat.ChatCompletions, "observe", observe)
+    async with serve_app(up_app) as up, serve_app(build_app(gateway_config(up))) as gw, \
+            aiohttp.ClientSession() as s:
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with s.post(gw + "/v1/chat/completions",
+                              json={"model": "m", "stream": True, "messages": []}) as r:
+                await asyncio.wait_for(r.read(), 5)
+        async with s.get(gw + "/metrics") as r:
+            text = await r.text()
+        assert 'outcome="gateway_error"' in text
+        assert "upstream_connection_lost" not in text
+        async with s.post(gw + "/v1/chat/completions",
+                          json={"model": "m", "stream": True, "messages": []}) as r:
+            assert (await asyncio.wait_for(r.read(), 5)).endswith(DONE)
