@@ -52,7 +52,10 @@ class Watchdog:
         self._arm()
 
     def attempt(self, first_token_s: float, idle_s: float) -> None:
-        """A new upstream attempt starts now: its own first-token deadline (and idle gap)."""
+        """A new upstream attempt starts now: its own first-token deadline (and idle gap). A
+        deadline that ended the previous attempt was claimed (that attempt failed over): this
+        one is watched afresh."""
+        self.fired = None
         self.first_token_at = min(self.clock() + int(first_token_s * 1e9), self.total_at)
         self.idle_ns = int(idle_s * 1e9)
         self._arm()

@@ -171,6 +171,41 @@ async def test_a_new_attempt_gets_its_own_first_token_deadline() -> None:
     assert await req.outcome() == (FIRST_TOKEN, 0)
 
 
+async def test_the_attempt_after_a_first_token_timeout_is_watched_too() -> None:
+    """The proxy claims a first-token timeout and fails over in the same task: the next
+    attempt's deadline must fire as well (it did not once a deadline had fired)."""
+    clock = FakeClock()
+    ctx = Exchange("/v1/chat/completions")
+    ctx.t_received = clock()
+    seen: list[str | None] = []
+    started = asyncio.Event()
+
+    async def handler() -> None:
+        wd = Watchdog(ctx, ctx.t_received + 60 * S, 5, clock=clock, loop=clock)
+        for _ in range(2):  # two attempts, each stalled before its first token
+            wd.attempt(first_token_s=1.0, idle_s=5)
+            started.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                seen.append(wd.claim())
+
+    task = asyncio.create_task(handler())
+    await started.wait()
+    clock.advance(1.0)
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert seen == [FIRST_TOKEN]
+    clock.advance(0.999)
+    await asyncio.sleep(0)
+    assert seen == [FIRST_TOKEN]
+    clock.advance(0.001)
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert seen == [FIRST_TOKEN, FIRST_TOKEN]  # the second deadline fired by itself
+    await asyncio.wait_for(task, 1)
+
+
 async def test_fire_is_claimed_once_and_a_client_cancel_is_not_claimed() -> None:
     clock = FakeClock()
     req = Request(clock, total_s=60, idle_s=1.0)
