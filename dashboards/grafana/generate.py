@@ -522,6 +522,26 @@ def failures_row() -> dict[str, Any]:
                        value_map(("0", "closed", "green"), ("1", "half-open", "yellow"),
                                  ("2", "open", "red")),
                        w=24, h=6),
+        # The trust boundary: what hostile clients and upstreams ran into.
+        timeseries("Limits hit by name",
+                   "Requests and upstream attempts refused or ended by a limit (body timeout, "
+                   "request or response too large, event too large, redirect, string too "
+                   "long): README, The trust boundary.",
+                   targets((f"sum by (limit) "
+                            f"({rate('slogate_limits_exceeded_total', JOB)})", "{{limit}}")),
+                   "reqps", w=8),
+        timeseries("Client connections refused or closed",
+                   "Listener limits: header deadline, idle keep-alive, connection caps in "
+                   "total and per client address.",
+                   targets((f"sum by (reason) "
+                            f"({rate('slogate_connections_rejected_total', JOB)})",
+                            "{{reason}}")),
+                   "cps", w=8),
+        timeseries("Open client connections",
+                   "Client connections open now, per gateway (the caps are per gateway).",
+                   targets((f"sum by (instance) ({sel('slogate_open_connections', JOB)})",
+                            "{{instance}}")),
+                   "short", w=8),
     ])
 
 
