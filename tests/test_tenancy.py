@@ -113,10 +113,10 @@ async def test_1b_even_a_key_allowed_to_tighten_deadlines_does_not_judge_the_bac
             async with s.get(base + "/readyz") as r:
                 assert r.status == 200
             assert await metric(s, base, "slogate_backend_breaker_state", backend="a") == 0
-            # The server's own deadline still judges: a stall past the backend's first-token
-            # deadline counts.
+            # Every attempt was ended by the tightened deadline and counted as such (a request
+            # may fit a second attempt into its 2 ms retry budget), yet none judged the backend.
             assert await metric(s, base, "slogate_upstream_attempts_total", backend="a",
-                                result="first_token_timeout") == 5
+                                result="first_token_timeout") >= 5
 
 
 # -- 2. one stream's x-slo-tpot-ms: 1 gated every other request on the replica -------------------
