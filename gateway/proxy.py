@@ -52,6 +52,7 @@ from gateway.headers import client_response_headers, upstream_request_headers
 from gateway.health import HALF_OPEN
 from gateway.netdiag import describe_connect_error
 from gateway.relay import Relay
+from gateway.telemetry.tracing import CAPTURE_LIMIT
 
 if TYPE_CHECKING:
     from gateway.admission.controller import AdmissionController
@@ -518,7 +519,7 @@ class Proxy:
         if up.status < 400:
             ex.read_facts(api.observe_response(body))
             if self._capturing(ex):
-                ex.captured_output = [body[:16 * 1024].decode("utf-8", "replace")]
+                ex.captured_output = [body[:CAPTURE_LIMIT].decode("utf-8", "replace")]
             ex.finish(OK)
         else:
             ex.finish(UPSTREAM_ERROR, str(up.status))

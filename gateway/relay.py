@@ -36,6 +36,7 @@ from gateway.errors import (
 from gateway.exchange import Exchange, now_ns
 from gateway.limits import EVENT_TOO_LARGE, EventTooLarge
 from gateway.sse import DEFAULT_MAX_EVENT_BYTES, SSEParser
+from gateway.telemetry.tracing import CAPTURE_LIMIT
 from gateway.wire import ClientWire, UpstreamBody
 
 if TYPE_CHECKING:
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
 HOLD_LIMIT = 64 * 1024
 _COMMIT, _DRAIN, _EOF = object(), object(), object()  # what the relay's sink asks for
 PING = b": ping\n\n"
-CAPTURE_LIMIT = 16 * 1024  # characters of output text kept when content capture is on
 
 
 def splice(buf: bytes, drops: list[tuple[int, int]] | None, cut: int) -> bytes:
@@ -65,7 +65,8 @@ class Splicer:
     say what each is, stamps the exchange, drops the usage chunk the gateway asked for, and
     keeps the start of an incomplete event back (up to HOLD_LIMIT). No I/O."""
 
-    __slots__ = ("ex", "api", "route", "parser", "pending", "drop_lf", "partial_out", "capture")
+    __slots__ = ("ex", "api", "route", "parser", "pending", "drop_lf", "partial_out", "capture",
+                 "captured")
 
     def __init__(self, ex: Exchange, api: Api, capture: list[str] | None = None,
                  max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
@@ -77,6 +78,7 @@ class Splicer:
         self.drop_lf = False  # a dropped event ended in CR: the LF opening the next read is its
         self.partial_out = False  # part of an unfinished event went out (over HOLD_LIMIT)
         self.capture = capture  # output text, when the operator opted in to content capture
+        self.captured = 0  # characters in it (kept up to CAPTURE_LIMIT)
 
     def feed(self, chunk: bytes, t: int) -> bytes:
         ex = self.ex
@@ -119,10 +121,11 @@ class Splicer:
     def _capture(self, ev: object) -> None:
         capture = self.capture
         assert capture is not None
-        if sum(map(len, capture)) < CAPTURE_LIMIT:
+        if self.captured < CAPTURE_LIMIT:
             text = self.api.output_text(ev)  # type: ignore[arg-type]
             if text:
                 capture.append(text)
+                self.captured += len(text)
 
 
 class Relay:
