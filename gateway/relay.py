@@ -35,7 +35,7 @@ from gateway.errors import (
 )
 from gateway.exchange import Exchange, now_ns
 from gateway.limits import EVENT_TOO_LARGE, EventTooLarge
-from gateway.sse import DEFAULT_MAX_EVENT_BYTES, SSEParser
+from gateway.sse import DEFAULT_MAX_EVENT_BYTES, SSEEvent, SSEParser
 from gateway.telemetry.tracing import CAPTURE_LIMIT
 from gateway.wire import ClientWire, UpstreamBody
 
@@ -83,6 +83,19 @@ class Splicer:
     def feed(self, chunk: bytes, t: int) -> bytes:
         ex = self.ex
         parser = self.parser
+        if not self.pending and not self.drop_lf:
+            data = parser.whole_event(chunk)
+            if data is not None:  # one whole event, nothing held: the common read
+                ex.t_last_event = t
+                ev = SSEEvent(None, data, 0, len(chunk))
+                info = self.api.observe(ev, self.route)
+                ex.event_seen(info, t)
+                self.partial_out = False
+                if info.usage_only and ex.usage_injected:
+                    return b""
+                if self.capture is not None and info.token:
+                    self._capture(ev)
+                return chunk
         lf_owed, self.drop_lf = self.drop_lf, False
         events = parser.feed(chunk)
         pending = self.pending

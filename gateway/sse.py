@@ -74,6 +74,19 @@ class SSEParser:
                 pos = 1
         return self._scan(chunk, pos, len(chunk), events)
 
+    def whole_event(self, chunk: bytes) -> bytes | None:
+        """The data of `chunk` when it is exactly one whole `data: <one line>\n\n` event and
+        the parser stands between events (what engines send, one token per read): the
+        relay's fast path, with no event list, no line loop and no state to update (after
+        such an event the state is what it was). None: use `feed`."""
+        n = len(chunk)
+        if (self._parts or self._fields or self._skip_lf or not self._started
+                or not chunk.startswith(b"data: ") or chunk.find(b"\n") != n - 2
+                or chunk[n - 1] != _LF or n - 2 > self.max_event_bytes or b"\r" in chunk):
+            return None
+        self.hold_from = None
+        return chunk[6:n - 2]
+
     def _scan(self, chunk: bytes, pos: int, n: int, events: list[SSEEvent]) -> list[SSEEvent]:
         has_cr = b"\r" in chunk
         find = chunk.find

@@ -300,6 +300,52 @@ def test_small_streams_every_byte(lines, data):
         check(raw, data.draw(st.lists(st.integers(1, len(raw) - 1), max_size=8)))
 
 
+_STATE = [s for s in SSEParser.__slots__ if s != "hold_from"]
+
+
+def _state(p: SSEParser) -> list[object]:
+    return [getattr(p, s) for s in _STATE]
+
+
+@FAST
+@given(st.data())
+def test_whole_event_fast_path_agrees_with_feed(data):
+    """`whole_event` (the relay's fast path) claims a read only when `feed` would dispatch
+    exactly that one event from it and end in the same state; every other read goes to
+    `feed`, so the two parsers stay in step over any stream and any chunking."""
+    raw = data.draw(st.one_of(sse_stream(), st.lists(st.sampled_from(
+        [b"data: {\"a\":1}\n\n", b"data: x\n\n", b"data: \n\n", b"data:x\n\n",
+         b": ping\n\n", b"data: a\r\n\r\n", b"event: e\ndata: x\n\n", b"data: a\n",
+         b"\n", b"data: a\nb\n\n", b"event: e\n", b"id: 1\n", b"data: a\r"]),
+        max_size=12).map(b"".join)), label="raw")
+    cuts = data.draw(cuts_for(raw), label="cuts")
+    fast, slow = SSEParser(), SSEParser()
+    for start, end in (chunk_bounds(len(raw), cuts) if raw else []):
+        piece = raw[start:end]
+        got = fast.whole_event(piece)
+        events = slow.feed(piece)
+        if got is None:
+            fast_events = fast.feed(piece)
+            assert [(e.event, e.data, e.start, e.end) for e in fast_events] == \
+                [(e.event, e.data, e.start, e.end) for e in events]
+        else:
+            assert [(e.event, e.data, e.start, e.end) for e in events] == \
+                [(None, got, 0, len(piece))]
+        assert fast.hold_from == slow.hold_from
+        assert _state(fast) == _state(slow)
+
+
+def test_whole_event_claims_the_common_read():
+    p = SSEParser()
+    assert p.whole_event(b"data: x\n\n") is None  # nothing seen yet (a BOM may come)
+    p.feed(b"data: x\n\n")
+    assert p.whole_event(b"data: {\"a\": 1}\n\n") == b'{"a": 1}'
+    assert p.whole_event(b"data: a\n\ndata: b\n\n") is None  # two events: feed
+    assert p.whole_event(b"data: a\r\n\r\n") is None
+    p.feed(b"event: e\n")  # this event began in an earlier read: feed
+    assert p.whole_event(b"data: x\n\n") is None
+
+
 # --------------------------------------------------------------------------------------------
 # Reference parser sanity (so a bug in it cannot hide one in SSEParser)
 # --------------------------------------------------------------------------------------------
