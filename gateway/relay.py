@@ -40,7 +40,7 @@ from gateway.telemetry.tracing import CAPTURE_LIMIT
 from gateway.wire import ClientWire, UpstreamBody
 
 if TYPE_CHECKING:
-    from gateway.apis.base import Api
+    from gateway.apis.base import Api, TokenShape
     from gateway.deadlines import Watchdog
 
 HOLD_LIMIT = 64 * 1024
@@ -66,7 +66,7 @@ class Splicer:
     keeps the start of an incomplete event back (up to HOLD_LIMIT). No I/O."""
 
     __slots__ = ("ex", "api", "route", "parser", "pending", "drop_lf", "partial_out", "capture",
-                 "captured")
+                 "captured", "shape", "shape_tries")
 
     def __init__(self, ex: Exchange, api: Api, capture: list[str] | None = None,
                  max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
@@ -79,6 +79,10 @@ class Splicer:
         self.partial_out = False  # part of an unfinished event went out (over HOLD_LIMIT)
         self.capture = capture  # output text, when the operator opted in to content capture
         self.captured = 0  # characters in it (kept up to CAPTURE_LIMIT)
+        # The stream's ordinary token event as bytes around its text (the API adapter's
+        # TokenShape): later tokens that fit it are stamped without being parsed.
+        self.shape: TokenShape | None = None
+        self.shape_tries = 3
 
     def feed(self, chunk: bytes, t: int) -> bytes:
         ex = self.ex
@@ -87,14 +91,26 @@ class Splicer:
             data = parser.whole_event(chunk)
             if data is not None:  # one whole event, nothing held: the common read
                 ex.t_last_event = t
+                self.partial_out = False
+                shape = self.shape
+                if shape is not None and shape.fits(data):  # another ordinary token
+                    ex.event_seen(shape.info, t)
+                    return chunk
                 ev = SSEEvent(None, data, 0, len(chunk))
                 info = self.api.observe(ev, self.route)
                 ex.event_seen(info, t)
-                self.partial_out = False
                 if info.usage_only and ex.usage_injected:
                     return b""
-                if self.capture is not None and info.token:
-                    self._capture(ev)
+                if self.capture is not None:
+                    if info.token:
+                        self._capture(ev)
+                elif info.visible and not info.has_facts:
+                    # An ordinary token that no shape fitted: take its shape (a few times
+                    # per stream at most: some providers pad every chunk differently).
+                    self.shape = None
+                    if self.shape_tries:
+                        self.shape_tries -= 1
+                        self.shape = self.api.token_shape(ev, self.route, info)
                 return chunk
         lf_owed, self.drop_lf = self.drop_lf, False
         events = parser.feed(chunk)

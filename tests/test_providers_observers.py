@@ -3,10 +3,13 @@
 finish reasons come from, what ends a stream."""
 from __future__ import annotations
 
+import orjson
+from hypothesis import given, settings, strategies as st
+
 from gateway.apis import chat, messages, responses
-from gateway.apis.base import Api
+from gateway.apis.base import VISIBLE_TOKEN, Api, EventInfo
 from gateway.exchange import Exchange
-from gateway.sse import SSEParser
+from gateway.sse import SSEEvent, SSEParser
 
 anthropic_api, openai_responses = messages.API, responses.API
 
@@ -232,3 +235,75 @@ def test_cached_tokens_cerebras_and_vllm_timing() -> None:
                  b'"metrics":{"time_to_first_token_ms":50.0,"queue_time_ms":20.0}}')
     assert (ctx.cached_tokens, ctx.provider_queue_s) == (16, 0.02)
     assert abs(ctx.provider_prefill_s - 0.03) < 1e-9 and ctx.provider_prefill_inferred
+
+
+# --------------------------------------------------------------------------------------------
+# TokenShape: an event that fits a stream's token shape says what parsing it would
+# --------------------------------------------------------------------------------------------
+
+_texts = st.one_of(st.sampled_from(["", "x", " token", '"', '"error"', 'a"b', "é😀", "\\",
+                                    "\n", '\\"delta\\":{\\"content\\":\\"']), st.text(max_size=8))
+_delta = st.builds(lambda content, extra: {"content": content, **extra},
+                   st.one_of(_texts, st.none()),
+                   st.fixed_dictionaries({}, optional={
+                       "role": st.just("assistant"), "reasoning_content": _texts,
+                       "tool_calls": st.just([{"index": 0}])}))
+_choice = st.builds(lambda index, delta, finish: {
+    "index": index, "delta": delta, "logprobs": None, "finish_reason": finish},
+    st.integers(0, 2), _delta, st.one_of(st.none(), st.sampled_from(["stop", "length"])))
+_chunk = st.builds(lambda choices, extra: {
+    "id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "m", "choices": choices,
+    **extra},
+    st.lists(_choice, max_size=2),
+    st.fixed_dictionaries({}, optional={
+        "usage": st.one_of(st.none(), st.just({"prompt_tokens": 3, "completion_tokens": 1})),
+        "error": st.one_of(st.none(), st.just({"message": "x"})),
+        "x_groq": st.just({"id": "req_1"})}))
+
+
+def _observe(data: bytes) -> EventInfo:
+    return chat.API.observe(SSEEvent(None, data, 0, len(data) + 8), chat.CHAT)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_chunk, _chunk, _texts, st.booleans())
+def test_an_event_that_fits_the_token_shape_says_what_parsing_says(first, other, text, same):
+    """Whatever the stream's first ordinary token looked like, any later valid event that
+    fits its shape is classified as parsing it would classify it: the same chunk with
+    another text, or any other chunk at all."""
+    data = orjson.dumps(first)
+    shape = chat.API.token_shape(SSEEvent(None, data, 0, 0), chat.CHAT, _observe(data))
+    if shape is None:
+        return
+    assert _observe(shape.prefix + b"abc" + shape.suffix) == shape.info
+    if same:
+        first["choices"][0]["delta"]["content"] = text
+        other = first
+    later = orjson.dumps(other)
+    if shape.fits(later):
+        assert _observe(later) == shape.info
+
+
+def test_token_shape_of_the_engines_chunk():
+    data = (b'{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m",'
+            b'"choices":[{"index":0,"delta":{"content":" token"},"logprobs":null,'
+            b'"finish_reason":null}]}')
+    shape = chat.API.token_shape(SSEEvent(None, data, 0, 0), chat.CHAT, _observe(data))
+    assert shape is not None and shape.info is VISIBLE_TOKEN
+    assert shape.fits(data.replace(b" token", b" next"))
+    for other in (data.replace(b" token", b""),  # empty text: not visible
+                  data.replace(b" token", b'a\\"b'),  # escapes: parsed
+                  data.replace(b" token", b"a\\\\"),
+                  data.replace(b"null}]", b'"stop"}]'),  # the last chunk
+                  data.replace(b"}]}", b'}],"usage":null}'),
+                  data.replace(b'"created":1', b'"created":2'),
+                  data.replace(b"finish_reason\":null", b"finish_reason\":true")):
+        assert not shape.fits(other), other
+    # A "text" that is really more structure: another choice, which finishes.
+    other = data.replace(b" token", b'x"},"logprobs":null,"finish_reason":"stop"},'
+                                    b'{"index":1,"delta":{"content":"y')
+    assert _observe(other) != VISIBLE_TOKEN and not shape.fits(other)
+    role = data.replace(b'{"content":" token"}', b'{"role":"assistant","content":""}')
+    assert chat.API.token_shape(SSEEvent(None, role, 0, 0), chat.CHAT, _observe(role)) is None
+    assert chat.API.token_shape(SSEEvent(None, data, 0, 0), chat.COMPLETIONS,
+                                _observe(data)) is None

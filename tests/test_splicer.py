@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import orjson
 from hypothesis import given, settings, strategies as st
 
 from gateway.apis import chat, messages
@@ -87,3 +88,45 @@ def test_an_unfinished_event_is_held_back_only_up_to_the_hold_limit() -> None:
     big = b"x" * (HOLD_LIMIT + 1)
     out = splicer.feed(big, 2)
     assert out == event_start + big and splicer.pending == b"" and splicer.partial_out
+
+
+_TEXTS = st.sampled_from(["x", " token", "", 'say "hi"', "a\\b", "é😀", "\n", "</s>"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(texts=st.lists(_TEXTS, max_size=12), reasoning=st.integers(0, 3),
+       finish_with_text=st.booleans(), cuts=st.lists(st.integers(0, 10_000), max_size=4))
+def test_the_token_shape_fast_path_stamps_what_parsing_every_event_would(
+        texts: list[str], reasoning: int, finish_with_text: bool, cuts: list[int]) -> None:
+    """A stream of ordinary tokens (with reasoning first, empty and escaped texts, a last
+    chunk that also carries text), one event per read or cut anywhere: the exchange is
+    stamped exactly as when every event is parsed, and the bytes are the same."""
+    head = b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":'
+
+    def chunk(delta: dict[str, str], finish: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return b"data: " + head + orjson.dumps([choice]) + b"}\n\n"
+
+    parts = [chunk({"role": "assistant", "content": ""})]
+    parts += [chunk({"reasoning_content": "r"}) for _ in range(reasoning)]
+    parts += [chunk({"content": t}) for t in texts]
+    parts.append(chunk({"content": "end"} if finish_with_text else {}, "stop"))
+    parts.append(b"data: [DONE]\n\n")
+    stream = b"".join(parts)
+    runs = []
+    for shapes in (True, False):
+        ex = Exchange(chat.CHAT)
+        ex.stream = True
+        splicer = Splicer(ex, chat.API)
+        if not shapes:
+            splicer.shape_tries = 0
+        reads = _chunks(stream, cuts) if cuts else parts
+        out = b"".join(splicer.feed(c, t) for t, c in enumerate(reads, 1)) + splicer.pending
+        runs.append((out, ex.events, ex.token_events, ex.token_ns, ex.t_first_token,
+                     ex.t_first_visible, ex.t_last_token, ex.finish_reasons, ex.done,
+                     ex.response_id))
+        plain = len(texts) > 1 and all(t and not set(t) & set('"\\\n') for t in texts)
+        if shapes and not cuts and plain:
+            assert splicer.shape is not None  # the fast path was taken
+    assert runs[0] == runs[1]
+    assert runs[0][0] == stream

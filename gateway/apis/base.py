@@ -80,6 +80,22 @@ DONE = EventInfo(done=True)
 
 
 @dataclass(frozen=True, slots=True)
+class TokenShape:
+    """A stream's ordinary text-token event as the bytes around its text. An event that is
+    `prefix + text + suffix`, with a non-empty text free of `"` and `\\`, is the event this
+    shape was taken from with one JSON string value changed to another non-empty one: it
+    says `info` too, without being parsed (the relay's fast path for the common token)."""
+    prefix: bytes
+    suffix: bytes
+    info: EventInfo
+
+    def fits(self, data: bytes) -> bool:
+        start, end = len(self.prefix), len(data) - len(self.suffix)
+        return (end > start and data.startswith(self.prefix) and data.endswith(self.suffix)
+                and data.find(b'"', start, end) < 0 and data.find(b"\\", start, end) < 0)
+
+
+@dataclass(frozen=True, slots=True)
 class Prepared:
     """The upstream body decided by `Api.prepare`."""
     changed: bool  # the body differs from the client's: serialise it again
@@ -117,6 +133,13 @@ class Api(ABC):
 
     def prefix_key(self, body: dict[str, Any], limit: int) -> bytes | None:
         """What identifies the prompt's shared prefix (for replica affinity), or None."""
+        return None
+
+    def token_shape(self, event: SSEEvent, route: str, info: EventInfo) -> TokenShape | None:
+        """The shape of `event` (which `observe` said `info` of) for the relay to recognise
+        the stream's next ordinary tokens by, or None. Only for an API whose `observe` answer
+        cannot change when one non-empty string value becomes another (it reads string
+        values for truthiness only, never compares them)."""
         return None
 
     def rate_limit_headers(self, limits: RateLimits) -> dict[str, str]:

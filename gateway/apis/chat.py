@@ -21,6 +21,7 @@ from gateway.apis.base import (
     EventInfo,
     Prepared,
     Provider,
+    TokenShape,
     bounded,
     cache_details,
     json_object,
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from gateway.sse import SSEEvent
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+_CONTENT = b'"delta":{"content":"'  # the text of the common chunk, in compact JSON
 
 # `error.type` by HTTP status, as OpenAI answers.
 _STATUS_TYPES = {
@@ -180,6 +182,23 @@ class ChatCompletions(Api):
                 return VISIBLE_TOKEN if visible else TOKEN if token else _first(obj)
         usage_only = choices == [] and bool(obj.get("usage"))
         return _facts(obj, token=token, visible=visible, usage_only=usage_only, finish=finish)
+
+    def token_shape(self, event: SSEEvent, route: str, info: EventInfo) -> TokenShape | None:
+        """`observe` reads string values only for truthiness (content, finish_reason, ...)
+        and keys for presence, so an ordinary text token keeps its answer when its text
+        changes: the shape is the event around its `delta.content` (compact JSON, the text
+        free of escapes)."""
+        if route != CHAT:
+            return None
+        data = event.data
+        i = data.find(_CONTENT)
+        if i < 0:
+            return None
+        start = i + len(_CONTENT)
+        end = data.find(b'"', start)
+        if end <= start or data.find(b"\\", start, end) >= 0:
+            return None
+        return TokenShape(data[:start], data[end:], info)
 
     def observe_response(self, body: bytes) -> EventInfo:
         obj = json_object(body)
