@@ -40,7 +40,7 @@ from gateway.telemetry.tracing import CAPTURE_LIMIT
 from gateway.wire import ClientWire, UpstreamBody
 
 if TYPE_CHECKING:
-    from gateway.apis.base import Api, TokenShape
+    from gateway.apis.base import Api, EventInfo, TokenShape
     from gateway.deadlines import Watchdog
 
 HOLD_LIMIT = 64 * 1024
@@ -96,22 +96,8 @@ class Splicer:
                 if shape is not None and shape.fits(data):  # another ordinary token
                     ex.event_seen(shape.info, t)
                     return chunk
-                ev = SSEEvent(None, data, 0, len(chunk))
-                info = self.api.observe(ev, self.route)
-                ex.event_seen(info, t)
-                if info.usage_only and ex.usage_injected:
-                    return b""
-                if self.capture is not None:
-                    if info.token:
-                        self._capture(ev)
-                elif info.visible and not info.has_facts:
-                    # An ordinary token that no shape fitted: take its shape (a few times
-                    # per stream at most: some providers pad every chunk differently).
-                    self.shape = None
-                    if self.shape_tries:
-                        self.shape_tries -= 1
-                        self.shape = self.api.token_shape(ev, self.route, info)
-                return chunk
+                info = self._observe(SSEEvent(None, data, 0, len(chunk)), t)
+                return b"" if info.usage_only and ex.usage_injected else chunk
         lf_owed, self.drop_lf = self.drop_lf, False
         events = parser.feed(chunk)
         pending = self.pending
@@ -120,18 +106,19 @@ class Splicer:
         drops: list[tuple[int, int]] | None = None
         if events:
             ex.t_last_event = t
-            observe, route, drop_usage = self.api.observe, self.route, ex.usage_injected
+            drop_usage = ex.usage_injected
             for ev in events:
-                info = observe(ev, route)
-                ex.event_seen(info, t)
+                shape = self.shape
+                if shape is not None and ev.event is None and shape.fits(ev.data):
+                    ex.event_seen(shape.info, t)
+                    continue
+                info = self._observe(ev, t)
                 if info.usage_only and drop_usage:
                     start = ev.start + base if ev.start >= 0 else 0
                     end = ev.end + base
                     (drops := drops or []).append((start, end))
                     if end == len(buf) and parser.skip_lf:
                         self.drop_lf = True
-                elif self.capture is not None and info.token:
-                    self._capture(ev)
         hold_from = parser.hold_from
         if hold_from is None:  # the read ended on an event boundary
             cut = len(buf)
@@ -147,11 +134,27 @@ class Splicer:
             out = out[1:]
         return out
 
-    def _capture(self, ev: object) -> None:
+    def _observe(self, ev: SSEEvent, t: int) -> EventInfo:
+        """Parse one event (the API adapter says what it is) and stamp it; capture its text
+        when asked to; an ordinary token that no shape fitted gives the stream its shape (a
+        few times per stream at most: some providers pad every chunk differently)."""
+        info = self.api.observe(ev, self.route)
+        self.ex.event_seen(info, t)
+        if self.capture is not None:
+            if info.token:
+                self._capture(ev)
+        elif info.visible and not info.has_facts and ev.event is None:
+            self.shape = None
+            if self.shape_tries:
+                self.shape_tries -= 1
+                self.shape = self.api.token_shape(ev, self.route, info)
+        return info
+
+    def _capture(self, ev: SSEEvent) -> None:
         capture = self.capture
         assert capture is not None
         if self.captured < CAPTURE_LIMIT:
-            text = self.api.output_text(ev)  # type: ignore[arg-type]
+            text = self.api.output_text(ev)
             if text:
                 capture.append(text)
                 self.captured += len(text)

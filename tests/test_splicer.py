@@ -95,12 +95,14 @@ _TEXTS = st.sampled_from(["x", " token", "", 'say "hi"', "a\\b", "é😀", "\n",
 
 @settings(max_examples=150, deadline=None)
 @given(texts=st.lists(_TEXTS, max_size=12), reasoning=st.integers(0, 3),
-       finish_with_text=st.booleans(), cuts=st.lists(st.integers(0, 10_000), max_size=4))
+       finish_with_text=st.booleans(), cuts=st.lists(st.integers(0, 10_000), max_size=4),
+       per_read=st.integers(1, 3))
 def test_the_token_shape_fast_path_stamps_what_parsing_every_event_would(
-        texts: list[str], reasoning: int, finish_with_text: bool, cuts: list[int]) -> None:
+        texts: list[str], reasoning: int, finish_with_text: bool, cuts: list[int],
+        per_read: int) -> None:
     """A stream of ordinary tokens (with reasoning first, empty and escaped texts, a last
-    chunk that also carries text), one event per read or cut anywhere: the exchange is
-    stamped exactly as when every event is parsed, and the bytes are the same."""
+    chunk that also carries text), one to three events per read or cut anywhere: the exchange
+    is stamped exactly as when every event is parsed, and the bytes are the same."""
     head = b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":'
 
     def chunk(delta: dict[str, str], finish: str | None = None) -> bytes:
@@ -120,7 +122,8 @@ def test_the_token_shape_fast_path_stamps_what_parsing_every_event_would(
         splicer = Splicer(ex, chat.API)
         if not shapes:
             splicer.shape_tries = 0
-        reads = _chunks(stream, cuts) if cuts else parts
+        reads = _chunks(stream, cuts) if cuts else [
+            b"".join(parts[i:i + per_read]) for i in range(0, len(parts), per_read)]
         out = b"".join(splicer.feed(c, t) for t, c in enumerate(reads, 1)) + splicer.pending
         runs.append((out, ex.events, ex.token_events, ex.token_ns, ex.t_first_token,
                      ex.t_first_visible, ex.t_last_token, ex.finish_reasons, ex.done,
