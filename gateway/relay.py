@@ -82,7 +82,7 @@ class Splicer:
         # The stream's ordinary token event as bytes around its text (the API adapter's
         # TokenShape): later tokens that fit it are stamped without being parsed.
         self.shape: TokenShape | None = None
-        self.shape_tries = 3
+        self.shape_tries = 4
 
     def feed(self, chunk: bytes, t: int) -> bytes:
         ex = self.ex
@@ -136,18 +136,19 @@ class Splicer:
 
     def _observe(self, ev: SSEEvent, t: int) -> EventInfo:
         """Parse one event (the API adapter says what it is) and stamp it; capture its text
-        when asked to; an ordinary token that no shape fitted gives the stream its shape (a
-        few times per stream at most: some providers pad every chunk differently)."""
+        when asked to. An ordinary token that the shape did not fit (its text has escapes,
+        or there is no shape yet) may give the stream a new shape: a few times per stream,
+        then no more shapes (some providers pad every chunk differently)."""
         info = self.api.observe(ev, self.route)
         self.ex.event_seen(info, t)
         if self.capture is not None:
             if info.token:
                 self._capture(ev)
-        elif info.visible and not info.has_facts and ev.event is None:
-            self.shape = None
-            if self.shape_tries:
+        elif info.visible and not info.has_facts and ev.event is None and self.shape_tries:
+            shape = self.api.token_shape(ev, self.route, info)
+            if shape is not None:  # the first, or the chunks changed around their text
                 self.shape_tries -= 1
-                self.shape = self.api.token_shape(ev, self.route, info)
+                self.shape = shape if self.shape_tries else None
         return info
 
     def _capture(self, ev: SSEEvent) -> None:

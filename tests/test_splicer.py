@@ -4,6 +4,7 @@ more than HOLD_LIMIT bytes of an unfinished event are held back."""
 from __future__ import annotations
 
 import itertools
+from unittest import mock
 
 import orjson
 from hypothesis import given, settings, strategies as st
@@ -133,3 +134,25 @@ def test_the_token_shape_fast_path_stamps_what_parsing_every_event_would(
             assert splicer.shape is not None  # the fast path was taken
     assert runs[0] == runs[1]
     assert runs[0][0] == stream
+
+
+def test_a_token_whose_text_has_escapes_keeps_the_shape() -> None:
+    """Engines' text often has quotes and newlines (escaped in JSON): those tokens are parsed,
+    and the shape stays for the plain ones after them; a provider that pads every chunk
+    differently stops being looked at after a few tries."""
+    def chunk(text: str, pad: str = "") -> bytes:
+        return (b'data: {"id":"c","choices":[{"index":0,"delta":{"content":'
+                + orjson.dumps(text) + b'},"finish_reason":null}]' + pad.encode() + b"}\n\n")
+
+    ex = Exchange(chat.CHAT)
+    splicer = Splicer(ex, chat.API)
+    parsed = []
+    observe = chat.API.observe
+    with mock.patch.object(chat.API, "observe", lambda ev, route: parsed.append(ev.data)
+                           or observe(ev, route)):
+        for t, text in enumerate(["a", 'say "hi"', "b", "line\n", "c", "d"], 1):
+            splicer.feed(chunk(text), t)
+        assert len(parsed) == 3 and ex.token_events == 6  # "a", 'say "hi"', "line\n"
+        for i in range(10):
+            splicer.feed(chunk("x", f',"obfuscation":"{i}"'), 100 + i)
+    assert ex.token_events == 16 and splicer.shape is None and len(parsed) == 13
