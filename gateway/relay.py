@@ -203,39 +203,36 @@ class Relay:
     def body_data(self, chunk: bytes) -> None:
         if self.end is not None:
             return  # ending already (client gone, event too large): nothing more goes out
-        try:
-            self._relay(chunk)
-        except Exception as e:  # EventTooLarge, or a bug of ours: raised by the coroutine, as
-            self._finish(e)  # before (never into aiohttp's parser, which would blame the upstream)
-
-    def _relay(self, chunk: bytes) -> None:
         ex = self.ex
         t = now_ns()
-        out = self.splicer.feed(chunk, t)
-        if not self.idle_armed and ex.t_first_token:
-            self.watchdog.first_token()
-            self.idle_armed = True
-            if ex.on_first_token is not None:
-                ex.on_first_token()
-        wire = self.wire
-        if wire is not None:
-            if out:
-                if not wire.send(out):
-                    self._finish(ClientGone())
-                    return
-                self.t_last_write = t
-                if wire.full:
-                    self._ask(_DRAIN)
-        else:
-            if out:
-                self.held.append(out)
-                self.held_bytes += len(out)
-            if not self.hold or ex.t_first_token or ex.done or ex.error_type:
-                self._ask(_COMMIT)
-            elif self.held_bytes + len(self.splicer.pending) > self.max_event_bytes:
-                self._finish(EventTooLarge(self.held_bytes + len(self.splicer.pending),
-                                           self.max_event_bytes,
-                                           "answer without a first token"))
+        try:
+            out = self.splicer.feed(chunk, t)
+            if not self.idle_armed and ex.t_first_token:
+                self.watchdog.first_token()
+                self.idle_armed = True
+                if ex.on_first_token is not None:
+                    ex.on_first_token()
+            wire = self.wire
+            if wire is not None:
+                if out:
+                    if wire.send(out):
+                        self.t_last_write = t
+                        if wire.full:
+                            self._ask(_DRAIN)
+                    else:
+                        self._finish(ClientGone())
+            else:
+                if out:
+                    self.held.append(out)
+                    self.held_bytes += len(out)
+                if not self.hold or ex.t_first_token or ex.done or ex.error_type:
+                    self._ask(_COMMIT)
+                elif self.held_bytes + len(self.splicer.pending) > self.max_event_bytes:
+                    self._finish(EventTooLarge(self.held_bytes + len(self.splicer.pending),
+                                               self.max_event_bytes,
+                                               "answer without a first token"))
+        except Exception as e:  # EventTooLarge, or a bug of ours: raised by the coroutine, as
+            self._finish(e)  # before (never into aiohttp's parser, which would blame the upstream)
         ex.overhead_ns += now_ns() - t
 
     def body_eof(self) -> None:

@@ -88,11 +88,17 @@ class TokenShape:
     prefix: bytes
     suffix: bytes
     info: EventInfo
+    outside: int = field(init=False)  # len(prefix) + len(suffix)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "outside", len(self.prefix) + len(self.suffix))
 
     def fits(self, data: bytes) -> bool:
+        if len(data) <= self.outside or not data.startswith(self.prefix):
+            return False
         start, end = len(self.prefix), len(data) - len(self.suffix)
-        return (end > start and data.startswith(self.prefix) and data.endswith(self.suffix)
-                and data.find(b'"', start, end) < 0 and data.find(b"\\", start, end) < 0)
+        return (data.endswith(self.suffix) and data.find(b'"', start, end) < 0
+                and data.find(b"\\", start, end) < 0)
 
 
 @dataclass(frozen=True, slots=True)
