@@ -3,11 +3,7 @@ when an OTLP endpoint is configured. Client metrics are the gateway's own measur
 `gen_ai.server.*` only re-export what the provider reported (§6.4)."""
 from __future__ import annotations
 
-from typing import Any
-
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import MetricExporter, PeriodicExportingMetricReader
-from opentelemetry.sdk.resources import Resource
+from typing import TYPE_CHECKING, Any
 
 from gateway.config import TelemetryConfig
 from gateway.errors import OK
@@ -15,6 +11,10 @@ from gateway.exchange import Exchange
 from gateway.telemetry import durations as D
 from gateway.telemetry.attribution import cache_bucket, prompt_bucket
 from gateway.telemetry.tracing import _protocol, otlp_endpoint
+
+if TYPE_CHECKING:  # the SDK is imported only when metrics are exported (~4 MiB less otherwise)
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import MetricExporter
 
 DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
                     40.96, 81.92, 163.84, 327.68, 655.36]
@@ -39,9 +39,13 @@ class OTLPMetrics:
     def __init__(self, cfg: TelemetryConfig, exporter: MetricExporter | None = None) -> None:
         self.chunk_metrics = cfg.otlp_chunk_metrics
         endpoint = otlp_endpoint(cfg, "metrics") if cfg.otlp_metrics else None
+        self.provider: MeterProvider | None = None
         if exporter is None and endpoint is None:
-            self.provider = None
             return
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+        from opentelemetry.sdk.resources import Resource
+
         reader = PeriodicExportingMetricReader(
             exporter or _exporter(cfg, endpoint),  # type: ignore[arg-type]
             export_interval_millis=cfg.metrics_export_interval_s * 1000)

@@ -10,15 +10,11 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -27,6 +23,10 @@ from gateway.errors import OK
 from gateway.exchange import Exchange
 from gateway.telemetry import durations as D
 from gateway.telemetry.attribution import cache_bucket, prompt_bucket
+
+if TYPE_CHECKING:  # the SDK is imported only when spans are exported (~4 MiB less otherwise)
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 # Monotonic stamps → wall-clock ns for span times (the timeline is monotonic on purpose).
 _EPOCH_OFFSET = time.time_ns() - time.monotonic_ns()
@@ -89,9 +89,14 @@ class Tracing:
     def __init__(self, cfg: TelemetryConfig, exporter: SpanExporter | None = None) -> None:
         self.capture_content = cfg.capture_content
         endpoint = otlp_endpoint(cfg, "traces") if cfg.traces else None
+        self.provider: TracerProvider | None = None
         if exporter is None and endpoint is None:
-            self.provider = None
             return
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
         sampler = None
         if not os.environ.get("OTEL_TRACES_SAMPLER"):
             sampler = ParentBased(TraceIdRatioBased(cfg.trace_sample_ratio))
