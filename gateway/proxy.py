@@ -180,7 +180,9 @@ class Proxy:
                                    else self.cfg.backends[0].timeouts)
         if self.tracing.enabled:
             self.tracing.start(ex, request.headers, ex.operation)
-        watchdog = Watchdog(ex, ex.t_received + int(timeouts.total_s * 1e9), timeouts.idle_s)
+        watchdog = Watchdog(ex, ex.t_received + int(timeouts.total_s * 1e9), timeouts.idle_s,
+                            first_check_s=timeouts.first_token_s if ex.stream
+                            else timeouts.total_s)
         self.active.add(watchdog)
         ex.retry_budget_at = ex.t_received + int(
             (self.retry.budget_s or 2 * timeouts.first_token_s) * 1e9)
