@@ -15,7 +15,7 @@ from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
+from prometheus_client import CollectorRegistry, Gauge, ProcessCollector
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar
@@ -25,6 +25,7 @@ from gateway import limits
 from gateway.exchange import Exchange
 from gateway.telemetry import durations as D
 from gateway.telemetry.attribution import cache_bucket, prompt_bucket
+from gateway.telemetry.counter import Counter
 from gateway.telemetry.tenants import TenantMetrics
 
 # TTFT / E2E reach 600 s (reasoning models think for minutes); fine enough at the low end for
