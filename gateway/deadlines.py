@@ -47,8 +47,9 @@ class Watchdog:
         `attempt` finds the timer already due no later and leaves it be; an early check only
         re-arms)."""
         self.ctx = ctx
-        self.task = asyncio.current_task()
-        self.loop: Scheduler = loop if loop is not None else asyncio.get_running_loop()
+        running = asyncio.get_running_loop()
+        self.task = asyncio.current_task(running)
+        self.loop: Scheduler = loop if loop is not None else running
         self.clock = clock
         self.total_at = total_at
         self.first_token_at = total_at
