@@ -1,10 +1,11 @@
-"""A labelled Prometheus counter without prometheus_client's per-increment lock and checks.
+"""A labelled Prometheus counter, and an unlabelled gauge, without prometheus_client's
+per-update lock and checks.
 
 The gateway counts a dozen things per request, all on its one event-loop thread, and
-prometheus_client's Counter takes a lock and re-checks its labels on every `inc` (~0.9 µs
-each; this one is a float add). The exposition is prometheus_client's own: the family's
-`<name>_total` and `<name>_created` samples per series, in the order the series were created
-(`tests/test_unit_counter.py` compares the two).
+prometheus_client's Counter and Gauge take a lock and re-check their labels on every update
+(~0.9 µs each; these are a float add). The exposition is prometheus_client's own: a counter's
+`<name>_total` and `<name>_created` samples per series, in the order the series were created,
+a gauge's one sample (`tests/test_unit_counter.py` compares them).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, metrics as _client_metrics
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 
@@ -62,3 +63,30 @@ class Counter(Collector):
 
     def describe(self) -> Iterator[Metric]:
         yield CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+
+class Gauge(Collector):
+    """An unlabelled gauge: `Gauge(name, documentation, registry=...)`; inc, dec, set."""
+
+    def __init__(self, name: str, documentation: str,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.value = 0.0
+        if registry is not None:
+            registry.register(self)
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1) -> None:
+        self.value -= amount
+
+    def set(self, value: float) -> None:
+        self.value = float(value)
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(self.name, self.documentation, value=self.value)
+
+    def describe(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(self.name, self.documentation)

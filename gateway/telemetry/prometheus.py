@@ -25,7 +25,7 @@ from gateway import limits
 from gateway.exchange import Exchange
 from gateway.telemetry import durations as D
 from gateway.telemetry.attribution import cache_bucket, prompt_bucket
-from gateway.telemetry.counter import Counter
+from gateway.telemetry.counter import Counter, Gauge as UnlabelledGauge
 from gateway.telemetry.tenants import TenantMetrics
 
 # TTFT / E2E reach 600 s (reasoning models think for minutes); fine enough at the low end for
@@ -179,8 +179,8 @@ class Metrics:
         self.interruptions = Counter("slogate_stream_interruptions",
                                      "Committed streams that ended with an error event.",
                                      base + ("reason",), registry=self.registry)
-        self.in_flight = Gauge("slogate_requests_in_flight", "Requests being served now.",
-                               registry=self.registry)
+        self.in_flight = UnlabelledGauge("slogate_requests_in_flight",
+                                         "Requests being served now.", registry=self.registry)
         self.queued = Gauge("slogate_requests_queued",
                             "Requests waiting in the gateway's admission queue.",
                             registry=self.registry)
