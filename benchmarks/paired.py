@@ -3,10 +3,12 @@ its own load generator: the cleanest A/B of CPU per token on a machine shared wi
 (both see the same contention, the same saturation, the same moment).
 
     python -m benchmarks.paired [--streams 32] [--reps 3] [--duration 8] [--baseline main]
+                                [--tokens 100]
 
-Each gateway gets `--streams` closed-loop streams (100-token answers at 2 ms per token from one
-simulator); the gateways share the second CPU, the simulator and both load generators the
-first. Prints CPU µs per streamed token of each, per repetition and the medians.
+Each gateway gets `--streams` closed-loop streams (`--tokens`-token answers, default 100, at 2 ms
+per token from one simulator); the gateways share the second CPU, the simulator and both load
+generators the first. Prints CPU µs per streamed token and per request of each, per repetition
+and the medians (short answers, e.g. `--tokens 2`, weigh the per-request work).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--duration", type=float, default=8.0)
     ap.add_argument("--baseline", default="main", help="git revision to compare with")
+    ap.add_argument("--tokens", type=int, default=100, help="tokens per answer (default 100)")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="slogate-paired-"))
     procs = ov.Procs(tmp)
@@ -58,12 +61,13 @@ def main(argv: list[str] | None = None) -> int:
             ov.wait_http(procs, name, f"http://{host}:{port}/healthz")
             pids[name], urls[name] = p.pid, f"http://{host}:{port}/v1/chat/completions"
         res: dict[str, list[float]] = {"gateway": [], "baseline": []}
+        per_req: dict[str, list[float]] = {"gateway": [], "baseline": []}
         for rep in range(args.reps):
             running = {}
             for name in res:
                 spec = {"path": f"{name}-{rep}", "url": urls[name], "streams": args.streams,
-                        "warmup": 2.0, "duration": args.duration, "tokens": 100, "token_ms": 2.0,
-                        "grace": 10.0, "watch": {"gateway": pids[name]}}
+                        "warmup": 2.0, "duration": args.duration, "tokens": args.tokens,
+                        "token_ms": 2.0, "grace": 10.0, "watch": {"gateway": pids[name]}}
                 sp, op = tmp / f"spec-{name}-{rep}.json", tmp / f"out-{name}-{rep}.json"
                 sp.write_text(json.dumps(spec))
                 running[name] = (procs.start(f"client-{name}-{rep}", [
@@ -74,15 +78,23 @@ def main(argv: list[str] | None = None) -> int:
                 r = json.loads(op.read_text())
                 g = r["cpu"]["gateway"]
                 us = g["cpu_s"] / r["tokens"] * 1e6
+                us_req = g["cpu_s"] / r["requests"] * 1e6
                 res[name].append(us)
+                per_req[name].append(us_req)
                 print(f"rep {rep + 1} {name:8s} {r['tokens_per_s']:7.0f} tok/s  {us:5.1f} µs/token"
+                      f"  {us_req:6.0f} µs/request"
                       f"  CPU {g['util'] * 100:3.0f}%  run-queue wait "
                       f"{g['runq_wait_frac'] * 100:3.0f}%  TTFT p50 {r['ttft_ms']['p50']:.2f} ms",
                       flush=True)
+        diff = [a - b for a, b in zip(per_req["gateway"], per_req["baseline"], strict=True)]
         for name, v in res.items():
             label = "this checkout" if name == "gateway" else args.baseline
             print(f"{label}: median {statistics.median(v):.1f} µs/token "
-                  f"({', '.join(f'{x:.1f}' for x in v)})")
+                  f"({', '.join(f'{x:.1f}' for x in v)}), "
+                  f"{statistics.median(per_req[name]):.0f} µs/request "
+                  f"({', '.join(f'{x:.0f}' for x in per_req[name])})")
+        print(f"difference (this checkout - {args.baseline}, same rep): median "
+              f"{statistics.median(diff):+.0f} µs/request ({', '.join(f'{x:+.0f}' for x in diff)})")
     finally:
         procs.stop_all()
     return 0

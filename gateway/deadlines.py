@@ -3,7 +3,9 @@
 Reads only store a timestamp on the context (`t_last_event`); the timer re-arms itself when it
 fires before a deadline has really passed. When one has, it records why and cancels the
 request's task; the code that catches the CancelledError asks `fired` to tell a deadline (or a
-drain) from a client that went away.
+drain) from a client that went away. The timer is moved only when a deadline comes due earlier
+than it is set for; a later one is left to its check, which re-arms (most requests end long
+before any deadline: one timer serves the whole request).
 """
 from __future__ import annotations
 
@@ -34,22 +36,31 @@ class Scheduler(Protocol):
 
 class Watchdog:
     __slots__ = ("ctx", "task", "loop", "first_token_at", "idle_ns", "total_at", "handle",
-                 "fired", "clock")
+                 "armed_at", "fired", "clock")
 
     def __init__(self, ctx: Exchange, total_at: int, idle_s: float, *,
+                 first_check_s: float | None = None,
                  clock: Callable[[], int] = now_ns, loop: Scheduler | None = None) -> None:
         """`clock` (monotonic ns) and `loop` (where the timer is set) are the real ones unless a
-        test drives time itself."""
+        test drives time itself. `first_check_s`: when the timer first checks, at the latest
+        (the proxy passes the first-token deadline the first attempt is likely to get, so that
+        `attempt` finds the timer already due no later and leaves it be; an early check only
+        re-arms)."""
         self.ctx = ctx
-        self.task = asyncio.current_task()
-        self.loop: Scheduler = loop if loop is not None else asyncio.get_running_loop()
+        running = asyncio.get_running_loop()
+        self.task = asyncio.current_task(running)
+        self.loop: Scheduler = loop if loop is not None else running
         self.clock = clock
         self.total_at = total_at
         self.first_token_at = total_at
         self.idle_ns = int(idle_s * 1e9)
         self.handle: Timer | None = None
+        self.armed_at = 0  # when the timer in `handle` is due (monotonic ns)
         self.fired: str | None = None
-        self._arm()
+        if first_check_s is None:
+            self._arm()
+        else:
+            self._arm(min(self.clock() + int(first_check_s * 1e9), total_at))
 
     def attempt(self, first_token_s: float, idle_s: float) -> None:
         """A new upstream attempt starts now: its own first-token deadline (and idle gap). A
@@ -76,13 +87,18 @@ class Watchdog:
             return min(self.first_token_at, self.total_at)
         return min(max(ctx.t_last_event, ctx.t_first_token) + self.idle_ns, self.total_at)
 
-    def _arm(self) -> None:
+    def _arm(self, due: int | None = None) -> None:
+        """Have the timer check no later than the next deadline (or `due`, when earlier)."""
+        due = self._due() if due is None else min(due, self._due())
         if self.handle is not None:
+            if self.armed_at <= due:
+                return  # it checks first, and re-arms for what is due then
             self.handle.cancel()
-        delay = (self._due() - self.clock()) / 1e9
-        self.handle = self.loop.call_later(max(0.0, delay), self._check)
+        self.armed_at = due
+        self.handle = self.loop.call_later(max(0.0, (due - self.clock()) / 1e9), self._check)
 
     def _check(self) -> None:
+        self.handle = None  # this timer has run: `_arm` sets a new one
         if self.fired is not None:
             return
         now = self.clock()

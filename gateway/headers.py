@@ -19,6 +19,7 @@ Coming down (upstream -> client), dropped: hop-by-hop, framing and encoding we r
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -63,21 +64,38 @@ def upstream_request_headers(client: CIMultiDictProxy[str], *, forward_auth: boo
                              ) -> CIMultiDict[str]:
     """`forward`: headers this policy drops that the backend wants anyway (lower-case);
     `deny`: headers it forwards that the backend must not get."""
-    drop = _connection_listed(client)
-    allowed = frozenset(h.lower() for h in forward)
-    denied = frozenset(h.lower() for h in deny)
+    keeps = _upstream_policy(forward_auth, tuple(forward), tuple(deny))
+    drop = _connection_listed(client) if "connection" in client else None
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in client.items():
-        low = name.lower()
-        if low in drop or low.startswith(_CONTROL_PREFIXES) or low in denied:
-            continue
-        if low in _NOT_UPSTREAM and not (forward_auth and low in ("authorization", "x-api-key")):
-            continue
-        if _policy_dropped(low) and low not in allowed:
-            continue
-        out.add(name, value)
+        keep = keeps.get(name)
+        if keep is None:
+            keep = _keeps_upstream(name.lower(), forward_auth, tuple(forward), tuple(deny))
+            if len(keeps) < _MAX_REMEMBERED:  # header names are the client's: bounded
+                keeps[name] = keep
+        if keep and not (drop and name.lower() in drop):
+            out.add(name, value)
     out["Accept-Encoding"] = "identity"  # a compressing upstream would hold tokens back
     return out
+
+
+# Per backend policy, each header name's fate (as the client spelled it), decided once.
+_MAX_REMEMBERED = 256
+
+
+@functools.cache
+def _upstream_policy(forward_auth: bool, forward: tuple[str, ...],
+                     deny: tuple[str, ...]) -> dict[str, bool]:
+    return {}
+
+
+def _keeps_upstream(low: str, forward_auth: bool, forward: tuple[str, ...],
+                    deny: tuple[str, ...]) -> bool:
+    if low.startswith(_CONTROL_PREFIXES) or low in {h.lower() for h in deny}:
+        return False
+    if low in _NOT_UPSTREAM and not (forward_auth and low in ("authorization", "x-api-key")):
+        return False
+    return not _policy_dropped(low) or low in {h.lower() for h in forward}
 
 
 def client_response_headers(upstream: CIMultiDictProxy[str], *, event_stream: bool,

@@ -52,6 +52,7 @@ from gateway.headers import client_response_headers, upstream_request_headers
 from gateway.health import HALF_OPEN
 from gateway.netdiag import describe_connect_error
 from gateway.relay import Relay
+from gateway.routing import CONNECTING
 from gateway.telemetry.tracing import CAPTURE_LIMIT
 
 if TYPE_CHECKING:
@@ -179,7 +180,9 @@ class Proxy:
                                    else self.cfg.backends[0].timeouts)
         if self.tracing.enabled:
             self.tracing.start(ex, request.headers, ex.operation)
-        watchdog = Watchdog(ex, ex.t_received + int(timeouts.total_s * 1e9), timeouts.idle_s)
+        watchdog = Watchdog(ex, ex.t_received + int(timeouts.total_s * 1e9), timeouts.idle_s,
+                            first_check_s=timeouts.first_token_s if ex.stream
+                            else timeouts.total_s)
         self.active.add(watchdog)
         ex.retry_budget_at = ex.t_received + int(
             (self.retry.budget_s or 2 * timeouts.first_token_s) * 1e9)
@@ -381,14 +384,16 @@ class Proxy:
         if timeouts.connect_s < replica.cfg.timeouts.connect_s:  # a request that asked for less
             post_kw["timeout"] = aiohttp.ClientTimeout(total=None, connect=None,
                                                        sock_connect=timeouts.connect_s)
+        connecting = CONNECTING.set(ex)  # a new connection is stamped on the exchange
         try:
             up = await replica.session.post(url, data=data, headers=headers,
-                                            trace_request_ctx=ex, allow_redirects=False,
-                                            **post_kw)
+                                            allow_redirects=False, **post_kw)
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             raise AttemptFailed(CONNECT_ERROR, 502, f"Backend '{replica.name}' is unreachable: "
                                 f"{describe_connect_error(e, replica.address, replica.port)}.",
                                 "upstream_unreachable") from None
+        finally:
+            CONNECTING.reset(connecting)
         attempt.response = up
         ex.t_headers = now_ns()
         ex.status = up.status

@@ -51,6 +51,9 @@ class SLOPolicy:
         self.route_classes = cfg.route_classes
         self.min_ms, self.max_ms = cfg.min_ms, cfg.max_ms
         self.allow_header_overrides = cfg.allow_header_overrides
+        # Each class's own target, made once: most requests override nothing (it is frozen).
+        self._plain = {name: SLOTarget(cls=c, ttft_ms=c.ttft_ms, tpot_ms=c.tpot_ms,
+                                       e2e_ms=c.e2e_ms) for name, c in cfg.classes.items()}
 
     def target_for(self, route: str, headers: Mapping[str, str],
                    tenant: TenantPolicy = OPEN_POLICY) -> SLOTarget:
@@ -87,7 +90,8 @@ class SLOPolicy:
             high = min(self.max_ms, tenant.override_max_ms)
             ttft = self._override(headers, TTFT_HEADER, ttft, low, high)
             tpot = self._override(headers, TPOT_HEADER, tpot, low, high)
-        return SLOTarget(cls=cls, ttft_ms=ttft, tpot_ms=tpot, e2e_ms=cls.e2e_ms)
+            return SLOTarget(cls=cls, ttft_ms=ttft, tpot_ms=tpot, e2e_ms=cls.e2e_ms)
+        return self._plain[name]
 
     @staticmethod
     def _override(headers: Mapping[str, str], header: str, value: float, low: float,

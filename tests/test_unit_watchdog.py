@@ -237,3 +237,37 @@ async def test_stop_disarms_the_timer() -> None:
     assert req.task is not None
     req.task.cancel()
     assert await req.outcome() == (None, 1)
+
+
+async def test_one_timer_serves_a_request_whose_deadlines_only_move_later() -> None:
+    """The proxy's first check is due with the first attempt's first-token deadline; the
+    attempt, and a first token whose idle gap ends later, leave that timer as it is. It checks
+    early, re-arms, and each deadline still fires at its own instant."""
+    clock = FakeClock()
+    ctx = Exchange("/v1/chat/completions")
+    ctx.t_received = clock()
+    fired: list[str | None] = []
+
+    async def handler() -> None:
+        wd = Watchdog(ctx, ctx.t_received + 60 * S, 3.0, first_check_s=2.0, clock=clock,
+                      loop=clock)
+        clock.advance(0.5)
+        wd.attempt(first_token_s=2.0, idle_s=3.0)  # due at 2.5 s: the timer (2.0 s) stays
+        assert [t.when for t in clock.pending()] == [ctx.t_received + 2 * S]
+        clock.advance(1.0)
+        ctx.t_first_token = ctx.t_last_event = clock()
+        wd.first_token()  # idle gap ends at 4.5 s: still the one timer
+        assert len(clock.pending()) == 1
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            fired.append(wd.claim())
+
+    task = asyncio.create_task(handler())
+    await asyncio.sleep(0)
+    clock.advance(2.999)  # 4.499 s: the early check re-armed, nothing fired
+    await asyncio.sleep(0)
+    assert fired == []
+    clock.advance(0.001)
+    await asyncio.wait_for(task, 1)
+    assert fired == [IDLE] and clock() == ctx.t_received + 4.5 * S

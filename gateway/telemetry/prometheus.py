@@ -15,7 +15,7 @@ from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
+from prometheus_client import CollectorRegistry, Gauge, ProcessCollector
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar
@@ -25,6 +25,7 @@ from gateway import limits
 from gateway.exchange import Exchange
 from gateway.telemetry import durations as D
 from gateway.telemetry.attribution import cache_bucket, prompt_bucket
+from gateway.telemetry.counter import Counter, Gauge as UnlabelledGauge
 from gateway.telemetry.tenants import TenantMetrics
 
 # TTFT / E2E reach 600 s (reasoning models think for minutes); fine enough at the low end for
@@ -178,8 +179,8 @@ class Metrics:
         self.interruptions = Counter("slogate_stream_interruptions",
                                      "Committed streams that ended with an error event.",
                                      base + ("reason",), registry=self.registry)
-        self.in_flight = Gauge("slogate_requests_in_flight", "Requests being served now.",
-                               registry=self.registry)
+        self.in_flight = UnlabelledGauge("slogate_requests_in_flight",
+                                         "Requests being served now.", registry=self.registry)
         self.queued = Gauge("slogate_requests_queued",
                             "Requests waiting in the gateway's admission queue.",
                             registry=self.registry)

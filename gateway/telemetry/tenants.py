@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Gauge
 
 from gateway.errors import SHED_REASONS
+from gateway.telemetry.counter import Counter
 
 OTHER = "other"
 
