@@ -20,12 +20,13 @@ from gateway.apis.base import EventInfo
 from gateway.telemetry import attribution, durations
 
 if TYPE_CHECKING:
-    from aiohttp import ClientResponse, web
+    from aiohttp import web
 
     from gateway.apis.base import Api, Provider
     from gateway.config import Timeouts
     from gateway.errors import AttemptFailed
     from gateway.routing import Replica
+    from gateway.upstream import UpstreamResponse
 
 now_ns = time.monotonic_ns
 
@@ -54,7 +55,7 @@ class Attempt:
     result: str = ""  # upstream_attempts_total{result} once decided
     status: int = 0
     span: Any = None  # its CLIENT span, ended when it failed
-    response: ClientResponse | None = field(default=None, repr=False)
+    response: UpstreamResponse | None = field(default=None, repr=False)
 
     @property
     def backend(self) -> str:

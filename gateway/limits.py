@@ -12,7 +12,6 @@ import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-import aiohttp
 import orjson
 
 from gateway.errors import GatewayError
@@ -40,7 +39,10 @@ MAX_CONNECTIONS_PER_CLIENT = "max_connections_per_client"
 CONNECTION_REASONS = (HEADER_TIMEOUT, IDLE_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_CLIENT)
 
 if TYPE_CHECKING:
+    import aiohttp
+
     from gateway.exchange import Exchange
+    from gateway.upstream import UpstreamResponse
 
 
 def clip(value: object, n: int = MAX_STRING) -> str:
@@ -83,7 +85,7 @@ class ResponseTooLarge(Exception):
         self.limit = limit
 
 
-async def read_capped(up: aiohttp.ClientResponse, limit: int) -> bytes:
+async def read_capped(up: aiohttp.ClientResponse | UpstreamResponse, limit: int) -> bytes:
     """A whole non-streamed body, decompressed (aiohttp >= 3.13.3 inflates in bounded steps),
     or ResponseTooLarge as soon as it passes `limit` decompressed bytes."""
     if up.content_length is not None and not up.headers.get("Content-Encoding") \

@@ -27,7 +27,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from gateway import ingress, limits
+from gateway import ingress, limits, upstream
 from gateway.apis import ROUTES
 from gateway.deadlines import DeadlineOverrides, Watchdog
 from gateway.errors import (
@@ -54,6 +54,7 @@ from gateway.netdiag import describe_connect_error
 from gateway.relay import Relay
 from gateway.routing import CONNECTING
 from gateway.telemetry.tracing import CAPTURE_LIMIT
+from gateway.upstream import UpstreamResponse
 
 if TYPE_CHECKING:
     from gateway.admission.controller import AdmissionController
@@ -347,7 +348,7 @@ class Proxy:
         return attempt
 
     async def send_upstream(self, ex: Exchange, request: web.Request, attempt: Attempt,
-                            watchdog: Watchdog) -> aiohttp.ClientResponse:
+                            watchdog: Watchdog) -> UpstreamResponse:
         """Prepare the body and headers for this replica (the API adapter decides the body;
         the provider the auth and default headers), send, and wait for the response headers.
         A connect failure or a retryable status is an AttemptFailed. Hands on the upstream
@@ -374,20 +375,21 @@ class Proxy:
                 headers[name] = value
         if replica.api_key:
             headers.update(provider.auth_headers(replica.api_key))
-        url = replica.url(ROUTES[ex.route][1])
+        if "Accept" not in headers:
+            headers["Accept"] = "*/*"  # what aiohttp's client sent by default
+        target = replica.target(ROUTES[ex.route][1])
         ex.t_sent = now_ns()
         ex.t_dispatched = ex.t_dispatched or ex.t_sent
         watchdog.attempt(timeouts.first_token_s if ex.stream else timeouts.total_s,
                          timeouts.idle_s)
         self.tracing.upstream_attempt(ex, headers, replica.cfg.propagate_trace)
-        post_kw: dict[str, Any] = {}
+        timeout = replica.timeout
         if timeouts.connect_s < replica.cfg.timeouts.connect_s:  # a request that asked for less
-            post_kw["timeout"] = aiohttp.ClientTimeout(total=None, connect=None,
-                                                       sock_connect=timeouts.connect_s)
+            timeout = aiohttp.ClientTimeout(total=None, connect=None,
+                                            sock_connect=timeouts.connect_s)
         connecting = CONNECTING.set(ex)  # a new connection is stamped on the exchange
         try:
-            up = await replica.session.post(url, data=data, headers=headers,
-                                            allow_redirects=False, **post_kw)
+            up = await upstream.send(replica.connector, target, headers, data, timeout)
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             raise AttemptFailed(CONNECT_ERROR, 502, f"Backend '{replica.name}' is unreachable: "
                                 f"{describe_connect_error(e, replica.address, replica.port)}.",
@@ -405,7 +407,7 @@ class Proxy:
             raise await self._retryable_status(ex, up)
         return up
 
-    async def relay(self, ex: Exchange, request: web.Request, up: aiohttp.ClientResponse,
+    async def relay(self, ex: Exchange, request: web.Request, up: UpstreamResponse,
                     watchdog: Watchdog) -> web.StreamResponse:
         """The upstream response to the client: an event stream byte-exact as it arrives
         (committed at the first token, or at the headers), anything else read whole (bounded)
@@ -494,7 +496,7 @@ class Proxy:
         return stop
 
     async def _retryable_status(self, ex: Exchange,
-                                up: aiohttp.ClientResponse) -> AttemptFailed:
+                                up: UpstreamResponse) -> AttemptFailed:
         """A 429/5xx before anything was committed: worth another attempt, unless the upstream
         asks for a longer wait than we may spend. A rate limit says nothing about health."""
         body = await _read_bounded(up, MAX_ERROR_BODY)
@@ -507,7 +509,7 @@ class Proxy:
                              retry_after_s=retry_after, response=(up.status, headers, body),
                              judges_backend=up.status != 429)
 
-    async def _whole(self, ex: Exchange, up: aiohttp.ClientResponse, api: Api,
+    async def _whole(self, ex: Exchange, up: UpstreamResponse, api: Api,
                      extra: tuple[tuple[str, str], ...]) -> web.StreamResponse:
         """A response that is not an event stream (non-stream answer or an upstream error):
         read it whole and pass status, headers and body through."""
@@ -532,7 +534,7 @@ class Proxy:
         return web.Response(status=up.status, body=body, headers=headers)
 
 
-async def _read_bounded(up: aiohttp.ClientResponse, limit: int) -> bytes:
+async def _read_bounded(up: UpstreamResponse, limit: int) -> bytes:
     """The body's first `limit` bytes (an error answer passed through)."""
     parts, size = [], 0
     async for chunk in up.content.iter_any():

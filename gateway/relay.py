@@ -42,6 +42,7 @@ from gateway.wire import ClientWire, UpstreamBody
 if TYPE_CHECKING:
     from gateway.apis.base import Api, EventInfo, TokenShape
     from gateway.deadlines import Watchdog
+    from gateway.upstream import UpstreamResponse
 
 HOLD_LIMIT = 64 * 1024
 _COMMIT, _DRAIN, _EOF = object(), object(), object()  # what the relay's sink asks for
@@ -170,7 +171,7 @@ class Relay:
     and at the end; bytes keep their order (held until the commit has taken them, the upstream
     paused during a drain). Deadlines and a client that leaves cancel it, as before."""
 
-    def __init__(self, request: web.Request, ex: Exchange, up: aiohttp.ClientResponse,
+    def __init__(self, request: web.Request, ex: Exchange, up: UpstreamResponse,
                  api: Api, headers: object, *, hold_until_first_token: bool,
                  watchdog: Watchdog, keepalive_s: float = 0.0,
                  capture: list[str] | None = None,

@@ -18,6 +18,7 @@ from gateway.config import BackendConfig, BreakerPolicy
 from gateway.errors import GatewayError
 from gateway.exchange import now_ns
 from gateway.health import Breaker
+from gateway.upstream import Target
 
 if TYPE_CHECKING:
     from aiohttp.client_proto import ResponseHandler
@@ -55,7 +56,7 @@ class Replica:
     """One configured backend: its config, its own connection pool and its health."""
 
     __slots__ = ("cfg", "session", "api_key", "address", "port", "breaker", "healthy",
-                 "provider", "_health_task", "_urls")
+                 "provider", "_health_task", "_urls", "_targets", "connector", "timeout")
 
     def __init__(self, cfg: BackendConfig, breaker: BreakerPolicy,
                  on_state: Callable[[str, int], None] = lambda name, state: None) -> None:
@@ -69,13 +70,18 @@ class Replica:
         self.healthy = True  # from active checks (always true without them)
         self._health_task: asyncio.Task[None] | None = None
         self._urls: dict[str, URL] = {}
-        connector = TimedConnector(limit=cfg.pool_size, limit_per_host=cfg.pool_size)
+        self._targets: dict[str, Target] = {}
+        self.connector = connector = TimedConnector(limit=cfg.pool_size,
+                                                    limit_per_host=cfg.pool_size)
+        # No total or read timeout: streams may legitimately run for minutes. Deadlines are
+        # the gateway's own business (first token, idle, total), not the pool's.
+        self.timeout = aiohttp.ClientTimeout(total=None, connect=None,
+                                             sock_connect=cfg.timeouts.connect_s)
+        # The session serves the health checks and engine-metrics scrapes; proxied requests
+        # go through gateway/upstream.py on the same connector.
         self.session = aiohttp.ClientSession(
             connector=connector,
-            # No total or read timeout: streams may legitimately run for minutes. Deadlines
-            # are the gateway's own business (first token, idle, total), not the pool's.
-            timeout=aiohttp.ClientTimeout(total=None, connect=None,
-                                          sock_connect=cfg.timeouts.connect_s),
+            timeout=self.timeout,
             auto_decompress=True,  # we ask for identity; a server that compresses anyway is decoded
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
             cookie_jar=aiohttp.DummyCookieJar(),  # an engine's cookies are not ours to keep
@@ -91,6 +97,13 @@ class Replica:
         if url is None:
             url = self._urls[suffix] = URL(self.cfg.base_url + suffix)
         return url
+
+    def target(self, suffix: str) -> Target:
+        """The upstream request's target for a path suffix (made once, not per request)."""
+        target = self._targets.get(suffix)
+        if target is None:
+            target = self._targets[suffix] = Target(self.url(suffix))
+        return target
 
     def available(self) -> bool:
         return self.healthy and self.breaker.available()

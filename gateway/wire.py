@@ -25,11 +25,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-import aiohttp
 from aiohttp.streams import StreamReader
 
 if TYPE_CHECKING:
     from aiohttp import web
+
+    from gateway.upstream import UpstreamResponse
 
 
 class BodySink(Protocol):
@@ -84,7 +85,7 @@ class UpstreamBody:
 
     __slots__ = ("content", "protocol", "paused", "hooked", "outside_parser", "transport_paused")
 
-    def __init__(self, up: aiohttp.ClientResponse) -> None:
+    def __init__(self, up: UpstreamResponse) -> None:
         self.content = up.content
         conn = up.connection
         self.protocol = conn.protocol if conn is not None else None
