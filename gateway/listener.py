@@ -79,7 +79,11 @@ class GuardedHandler(RequestHandler):
         super().__init__(manager, **kwargs)
         self._guard = guard
         self._client: str | None = None  # counted in the guard while set
+        # The header deadline: one timer per connection, left running between requests (no
+        # call_later and cancel per request); `_since` says whether, and since when, the
+        # headers of a request are awaited.
         self._deadline: asyncio.TimerHandle | None = None
+        self._since: float | None = None
         self._got_bytes = False  # bytes of the next request arrived (headers incomplete)
         self._busy = False  # a request is being handled
         self._refused = False  # answered and closing: what the client still sends is dropped
@@ -100,6 +104,9 @@ class GuardedHandler(RequestHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
         if self._client is not None:
             self._guard.release(self._client)
             self._client = None
@@ -110,7 +117,7 @@ class GuardedHandler(RequestHandler):
             return
         if not self._busy and data:
             self._got_bytes = True
-            if self._deadline is None:
+            if self._since is None:
                 self._arm()  # the first byte of the next request on a kept-alive connection
         super().data_received(data)
         if self._messages:  # headers complete (aiohttp queued the parsed request)
@@ -149,16 +156,25 @@ class GuardedHandler(RequestHandler):
         return resp
 
     def _arm(self) -> None:
-        self._disarm()
-        self._deadline = self._loop.call_later(self._guard.header_timeout_s, self._expired)
+        self._since = self._loop.time()
+        if self._deadline is None:
+            self._deadline = self._loop.call_later(self._guard.header_timeout_s, self._check)
 
     def _disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+        self._since = None  # the timer, if any, finds nothing awaited and stops
+
+    def _check(self) -> None:
+        self._deadline = None
+        if self._since is None:
+            return
+        left = self._since + self._guard.header_timeout_s - self._loop.time()
+        if left > 0:  # armed again since this timer was set: the rest of that wait
+            self._deadline = self._loop.call_later(left, self._check)
+            return
+        self._expired()
 
     def _expired(self) -> None:
-        self._deadline = None
+        self._since = None
         transport = self.transport
         if self._busy or transport is None or self._messages:
             return

@@ -135,6 +135,19 @@ async def test_kept_alive_connection_gets_the_header_deadline_and_the_idle_timeo
         assert 0.4 < asyncio.get_running_loop().time() - t0 < 3
         w.close()
         await until(lambda: site.guard.open == 0)
+        # The same, with the next request begun while the connection's first deadline timer
+        # is still pending: the deadline still counts from that request's first byte.
+        r, w = await asyncio.open_connection("127.0.0.1", port_of(gw))
+        w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert hostile.status_of(await read_response(r)) == 200
+        await asyncio.sleep(0.25)
+        w.write(b"GET /hea")
+        t0 = asyncio.get_running_loop().time()
+        rest = await asyncio.wait_for(r.read(), 5)
+        assert hostile.status_of(rest) == 408
+        assert 0.45 < asyncio.get_running_loop().time() - t0 < 3
+        w.close()
+        await until(lambda: site.guard.open == 0)
     # An idle kept-alive connection is closed after idle_connection_timeout_s.
     async with stack(monkeypatch, header_timeout_s=30, idle_connection_timeout_s=0.5) \
             as (gw, site, _):
