@@ -89,6 +89,12 @@ class Splicer:
         ex = self.ex
         parser = self.parser
         if not self.pending and not self.drop_lf:
+            shape = self.shape
+            if shape is not None and shape.fits_event(chunk) and parser.between_events():
+                ex.t_last_event = t  # another ordinary token, one whole event in this read
+                self.partial_out = False
+                ex.event_seen(shape.info, t)
+                return chunk
             data = parser.whole_event(chunk)
             if data is not None:  # one whole event, nothing held: the common read
                 ex.t_last_event = t

@@ -74,6 +74,10 @@ class SSEParser:
                 pos = 1
         return self._scan(chunk, pos, len(chunk), events)
 
+    def between_events(self) -> bool:
+        """Nothing of an event (or a line) is pending and no LF is owed to the last read."""
+        return self._started and not (self._parts or self._fields or self._skip_lf)
+
     def whole_event(self, chunk: bytes) -> bytes | None:
         """The data of `chunk` when it is exactly one whole `data: <one line>\n\n` event and
         the parser stands between events (what engines send, one token per read): the

@@ -307,3 +307,29 @@ def test_token_shape_of_the_engines_chunk():
     assert chat.API.token_shape(SSEEvent(None, role, 0, 0), chat.CHAT, _observe(role)) is None
     assert chat.API.token_shape(SSEEvent(None, data, 0, 0), chat.COMPLETIONS,
                                 _observe(data)) is None
+
+
+def test_no_token_shape_from_an_event_of_several_data_lines():
+    """Its bytes around the text would hold a line end: a read starting with them would be
+    parsed as other lines, so no shape is taken from it."""
+    data = (b'{"id":"c",\n"choices":[{"index":0,"delta":{"content":" token"},'
+            b'"finish_reason":null}]}')
+    assert _observe(data) is VISIBLE_TOKEN
+    assert chat.API.token_shape(SSEEvent(None, data, 0, 0), chat.CHAT, _observe(data)) is None
+
+
+def test_token_shape_fits_a_whole_event_read():
+    data = (b'{"id":"c","choices":[{"index":0,"delta":{"content":" token"},'
+            b'"finish_reason":null}]}')
+    shape = chat.API.token_shape(SSEEvent(None, data, 0, 0), chat.CHAT, _observe(data))
+    assert shape is not None
+    event = b"data: " + data.replace(b" token", b" next") + b"\n\n"
+    assert shape.fits_event(event)
+    for other in (event.replace(b"\n\n", b"\r\n\r\n"),  # other line ends: the parser's
+                  event + event,  # two events in one read
+                  event.replace(b" next", b" a\nb"),  # a raw line end in the text
+                  event.replace(b" next", b" a\rb"),
+                  event.replace(b" next", b""),
+                  event[:-1],  # unfinished
+                  event.replace(b"data: ", b"data:")):
+        assert not shape.fits_event(other), other

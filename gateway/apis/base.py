@@ -84,14 +84,20 @@ class TokenShape:
     """A stream's ordinary text-token event as the bytes around its text. An event that is
     `prefix + text + suffix`, with a non-empty text free of `"` and `\\`, is the event this
     shape was taken from with one JSON string value changed to another non-empty one: it
-    says `info` too, without being parsed (the relay's fast path for the common token)."""
+    says `info` too, without being parsed (the relay's fast path for the common token).
+    Taken from an event of one data line: prefix and suffix hold no line end."""
     prefix: bytes
     suffix: bytes
     info: EventInfo
     outside: int = field(init=False)  # len(prefix) + len(suffix)
+    # The whole SSE event around the text: `data: <prefix>`, `<suffix>\n\n`.
+    event_prefix: bytes = field(init=False)
+    event_suffix: bytes = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "outside", len(self.prefix) + len(self.suffix))
+        object.__setattr__(self, "event_prefix", b"data: " + self.prefix)
+        object.__setattr__(self, "event_suffix", self.suffix + b"\n\n")
 
     def fits(self, data: bytes) -> bool:
         if len(data) <= self.outside or not data.startswith(self.prefix):
@@ -99,6 +105,17 @@ class TokenShape:
         start, end = len(self.prefix), len(data) - len(self.suffix)
         return (data.endswith(self.suffix) and data.find(b'"', start, end) < 0
                 and data.find(b"\\", start, end) < 0)
+
+    def fits_event(self, chunk: bytes) -> bool:
+        """`chunk` is exactly one whole `data:` event (LF line ends) that fits: the relay's
+        check of a read, without cutting the event's data out of it. The text may then hold
+        no line end either (the prefix and suffix hold none: they came from one data line)."""
+        start = len(self.event_prefix)
+        end = len(chunk) - len(self.event_suffix)
+        return (end > start and chunk.startswith(self.event_prefix)
+                and chunk.endswith(self.event_suffix) and chunk.find(b'"', start, end) < 0
+                and chunk.find(b"\\", start, end) < 0 and chunk.find(b"\n", start, end) < 0
+                and chunk.find(b"\r", start, end) < 0)
 
 
 @dataclass(frozen=True, slots=True)

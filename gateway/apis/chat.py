@@ -188,9 +188,9 @@ class ChatCompletions(Api):
         and keys for presence, so an ordinary text token keeps its answer when its text
         changes: the shape is the event around its `delta.content` (compact JSON, the text
         free of escapes)."""
-        if route != CHAT:
-            return None
         data = event.data
+        if route != CHAT or b"\n" in data or b"\r" in data:  # one data line only
+            return None
         i = data.find(_CONTENT)
         if i < 0:
             return None
