@@ -96,13 +96,9 @@ class Splicer:
                 ex.event_seen(shape.info, t)
                 return chunk
             data = parser.whole_event(chunk)
-            if data is not None:  # one whole event, nothing held: the common read
+            if data is not None:  # one whole event that no shape fits (it would fit the read)
                 ex.t_last_event = t
                 self.partial_out = False
-                shape = self.shape
-                if shape is not None and shape.fits(data):  # another ordinary token
-                    ex.event_seen(shape.info, t)
-                    return chunk
                 info = self._observe(SSEEvent(None, data, 0, len(chunk)), t)
                 return b"" if info.usage_only and ex.usage_injected else chunk
         lf_owed, self.drop_lf = self.drop_lf, False

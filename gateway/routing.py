@@ -56,7 +56,7 @@ class Replica:
     """One configured backend: its config, its own connection pool and its health."""
 
     __slots__ = ("cfg", "session", "api_key", "address", "port", "breaker", "healthy",
-                 "provider", "_health_task", "_urls", "_targets", "connector", "timeout")
+                 "provider", "_health_task", "_targets", "connector", "timeout")
 
     def __init__(self, cfg: BackendConfig, breaker: BreakerPolicy,
                  on_state: Callable[[str, int], None] = lambda name, state: None) -> None:
@@ -69,7 +69,6 @@ class Replica:
         self.breaker = Breaker(breaker, lambda state: on_state(cfg.name, state))
         self.healthy = True  # from active checks (always true without them)
         self._health_task: asyncio.Task[None] | None = None
-        self._urls: dict[str, URL] = {}
         self._targets: dict[str, Target] = {}
         self.connector = connector = TimedConnector(limit=cfg.pool_size,
                                                     limit_per_host=cfg.pool_size)
@@ -91,18 +90,11 @@ class Replica:
     def name(self) -> str:
         return self.cfg.name
 
-    def url(self, suffix: str) -> URL:
-        """The upstream URL for a path suffix (parsed once, not per request)."""
-        url = self._urls.get(suffix)
-        if url is None:
-            url = self._urls[suffix] = URL(self.cfg.base_url + suffix)
-        return url
-
     def target(self, suffix: str) -> Target:
-        """The upstream request's target for a path suffix (made once, not per request)."""
+        """The upstream request's target for a path suffix (parsed once, not per request)."""
         target = self._targets.get(suffix)
         if target is None:
-            target = self._targets[suffix] = Target(self.url(suffix))
+            target = self._targets[suffix] = Target(URL(self.cfg.base_url + suffix))
         return target
 
     def available(self) -> bool:

@@ -84,8 +84,8 @@ class SSEParser:
         relay's fast path, with no event list, no line loop and no state to update (after
         such an event the state is what it was). None: use `feed`."""
         n = len(chunk)
-        if (self._parts or self._fields or self._skip_lf or not self._started
-                or not chunk.startswith(b"data: ") or chunk.find(b"\n") != n - 2
+        if (not self.between_events() or not chunk.startswith(b"data: ")
+                or chunk.find(b"\n") != n - 2
                 or chunk[n - 1] != _LF or n - 2 > self.max_event_bytes or b"\r" in chunk):
             return None
         self.hold_from = None

@@ -89,22 +89,19 @@ class TokenShape:
     prefix: bytes
     suffix: bytes
     info: EventInfo
-    outside: int = field(init=False)  # len(prefix) + len(suffix)
     # The whole SSE event around the text: `data: <prefix>`, `<suffix>\n\n`.
     event_prefix: bytes = field(init=False)
     event_suffix: bytes = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "outside", len(self.prefix) + len(self.suffix))
         object.__setattr__(self, "event_prefix", b"data: " + self.prefix)
         object.__setattr__(self, "event_suffix", self.suffix + b"\n\n")
 
     def fits(self, data: bytes) -> bool:
-        if len(data) <= self.outside or not data.startswith(self.prefix):
-            return False
+        """`data` (one event's data) fits: the check of an event parsed out of a read."""
         start, end = len(self.prefix), len(data) - len(self.suffix)
-        return (data.endswith(self.suffix) and data.find(b'"', start, end) < 0
-                and data.find(b"\\", start, end) < 0)
+        return (end > start and data.startswith(self.prefix) and data.endswith(self.suffix)
+                and data.find(b'"', start, end) < 0 and data.find(b"\\", start, end) < 0)
 
     def fits_event(self, chunk: bytes) -> bool:
         """`chunk` is exactly one whole `data:` event (LF line ends) that fits: the relay's
