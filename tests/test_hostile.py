@@ -123,31 +123,32 @@ async def test_kept_alive_connection_gets_the_header_deadline_and_the_idle_timeo
         monkeypatch) -> None:
     async with stack(monkeypatch, header_timeout_s=0.5, idle_connection_timeout_s=30) \
             as (gw, site, _):
+        async def trickle_after_one_request(pause_s: float) -> tuple[bytes, float]:
+            """One request answered, `pause_s` of keep-alive (elapsed time is the point of
+            this test), then a request that never finishes its headers: its answer and the
+            time from its first byte to that answer."""
+            r, w = await asyncio.open_connection("127.0.0.1", port_of(gw))
+            w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert hostile.status_of(await read_response(r)) == 200
+            await asyncio.sleep(pause_s)
+            w.write(b"GET /hea")
+            t0 = asyncio.get_running_loop().time()
+            rest = await asyncio.wait_for(r.read(), 5)
+            elapsed = asyncio.get_running_loop().time() - t0
+            w.close()
+            await until(lambda: site.guard.open == 0)
+            return rest, elapsed
+
         # A second request trickled after a first one: the deadline restarts with its first byte.
-        r, w = await asyncio.open_connection("127.0.0.1", port_of(gw))
-        w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert hostile.status_of(await read_response(r)) == 200
-        await asyncio.sleep(0.7)  # idle longer than the header deadline: that is not a timeout
-        w.write(b"GET /hea")
-        t0 = asyncio.get_running_loop().time()
-        rest = await asyncio.wait_for(r.read(), 5)
+        # Idle longer than the header deadline first: that is not a timeout.
+        rest, elapsed = await trickle_after_one_request(0.7)
         assert hostile.status_of(rest) == 408
-        assert 0.4 < asyncio.get_running_loop().time() - t0 < 3
-        w.close()
-        await until(lambda: site.guard.open == 0)
+        assert 0.4 < elapsed < 3
         # The same, with the next request begun while the connection's first deadline timer
         # is still pending: the deadline still counts from that request's first byte.
-        r, w = await asyncio.open_connection("127.0.0.1", port_of(gw))
-        w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert hostile.status_of(await read_response(r)) == 200
-        await asyncio.sleep(0.25)
-        w.write(b"GET /hea")
-        t0 = asyncio.get_running_loop().time()
-        rest = await asyncio.wait_for(r.read(), 5)
+        rest, elapsed = await trickle_after_one_request(0.25)
         assert hostile.status_of(rest) == 408
-        assert 0.45 < asyncio.get_running_loop().time() - t0 < 3
-        w.close()
-        await until(lambda: site.guard.open == 0)
+        assert 0.45 < elapsed < 3
     # An idle kept-alive connection is closed after idle_connection_timeout_s.
     async with stack(monkeypatch, header_timeout_s=30, idle_connection_timeout_s=0.5) \
             as (gw, site, _):
