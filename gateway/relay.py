@@ -37,7 +37,7 @@ from gateway.exchange import Exchange, now_ns
 from gateway.limits import EVENT_TOO_LARGE, EventTooLarge
 from gateway.sse import DEFAULT_MAX_EVENT_BYTES, SSEEvent, SSEParser
 from gateway.telemetry.tracing import CAPTURE_LIMIT
-from gateway.wire import ClientWire, UpstreamBody
+from gateway.wire import ClientWire, CoalescedResponse, UpstreamBody
 
 if TYPE_CHECKING:
     from gateway.apis.base import Api, EventInfo, TokenShape
@@ -285,7 +285,7 @@ class Relay:
         ex = self.ex
         if ex.response is not None:
             return
-        resp = web.StreamResponse(status=self.up.status, headers=self.headers)  # type: ignore[arg-type]
+        resp = CoalescedResponse(status=self.up.status, headers=self.headers)  # type: ignore[arg-type]
         try:
             await resp.prepare(self.request)
         except (ConnectionResetError, aiohttp.ClientConnectionResetError) as e:

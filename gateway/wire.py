@@ -25,11 +25,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
+from aiohttp import web
 from aiohttp.streams import StreamReader
 
 if TYPE_CHECKING:
-    from aiohttp import web
-
     from gateway.upstream import UpstreamResponse
 
 
@@ -163,6 +162,16 @@ class UpstreamBody:
             proto.transport.resume_reading()
         else:
             proto.resume_reading()
+
+
+class CoalescedResponse(web.StreamResponse):
+    """A streamed answer's response whose head aiohttp keeps until the first body write, so that
+    the head and the bytes held until commit (the first token) leave in one write: one syscall
+    and one segment, not two (a plain StreamResponse writes its head in `prepare`; at rest that
+    second write to a client that was asleep cost ~0.3 ms of TTFT). An empty first write sends
+    the head alone."""
+
+    _send_headers_immediately = False
 
 
 class ClientWire:

@@ -37,6 +37,52 @@ def test_hooked_reader_has_the_stream_readers_layout() -> None:
     assert _HookedReader.__basicsize__ == StreamReader.__basicsize__
 
 
+async def test_the_head_and_the_first_bytes_leave_in_one_write() -> None:
+    """CoalescedResponse: aiohttp keeps the head until the first body write and sends both in
+    one transport write; an empty first write sends the head alone. A plain StreamResponse
+    writes its head in prepare, a write of its own (pinned too: if aiohttp changes either,
+    this fails before TTFT does)."""
+    from aiohttp.http_writer import StreamWriter
+    from aiohttp.test_utils import make_mocked_request
+
+    from gateway.wire import CoalescedResponse
+
+    class Transport:
+        def __init__(self) -> None:
+            self.writes: list[bytes] = []
+
+        def write(self, data: bytes) -> None:
+            self.writes.append(bytes(data))
+
+        def writelines(self, chunks: list[bytes]) -> None:
+            self.writes.append(b"".join(chunks))
+
+        def is_closing(self) -> bool:
+            return False
+
+    class Protocol:
+        def __init__(self) -> None:
+            self.transport = Transport()
+
+    async def writes(cls: type[web.StreamResponse], first: bytes) -> list[bytes]:
+        proto = Protocol()
+        writer = StreamWriter(proto, asyncio.get_running_loop())  # type: ignore[arg-type]
+        request = make_mocked_request("POST", "/v1/chat/completions", writer=writer)
+        resp = cls(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(first)
+        return proto.transport.writes
+
+    token = chunk(1)
+    (one,) = await writes(CoalescedResponse, token)
+    assert one.startswith(b"HTTP/1.1 200 OK\r\n") and b"Transfer-Encoding: chunked" in one
+    assert one.endswith(b"\r\n\r\n%x\r\n%b\r\n" % (len(token), token))
+    (head,) = await writes(CoalescedResponse, b"")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n") and head.endswith(b"\r\n\r\n")
+    head, body = await writes(web.StreamResponse, token)
+    assert head.endswith(b"\r\n\r\n") and body.endswith(token + b"\r\n")
+
+
 class Sink:
     def __init__(self, body: UpstreamBody | None = None, pause_after: int = 0) -> None:
         self.data: list[bytes] = []
