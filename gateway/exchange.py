@@ -9,7 +9,6 @@ stamps start again for the next one.
 """
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.apis.base import EventInfo
 from gateway.telemetry import attribution, durations
+from gateway.telemetry.gaps import BATCH, Gaps
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -83,9 +83,9 @@ class Exchange:
         "finish_reasons", "response_id", "response_model", "done", "error_type",
         "outcome", "cancel_phase",
         # telemetry inputs
-        "token_ns", "overhead_ns", "t_connect_start", "t_connect_end", "provider_queue_s",
-        "provider_prefill_s", "provider_decode_s", "provider_prefill_inferred", "slo",
-        "verdict", "model_label", "ttft_split",
+        "token_ns", "gaps", "gap_bounds_ns", "overhead_ns", "t_connect_start", "t_connect_end",
+        "provider_queue_s", "provider_prefill_s", "provider_decode_s",
+        "provider_prefill_inferred", "slo", "verdict", "model_label", "ttft_split",
         "interruption", "trace", "server_address", "server_port", "tenant", "tenant_label",
         "policy", "served_model",
         "admission", "t_queued", "t_admitted", "t_last_event", "t_dispatched", "attempts",
@@ -95,7 +95,7 @@ class Exchange:
         "retry_budget_at", "last_failure", "captured_output",
     )
 
-    def __init__(self, route: str) -> None:
+    def __init__(self, route: str, gap_bounds_ns: tuple[int, ...] = ()) -> None:
         self.t_received = now_ns()
         self.request_id = new_request_id()
         self.route = route
@@ -122,7 +122,11 @@ class Exchange:
         self.error_type: str | None = None
         self.outcome: str | None = None
         self.cancel_phase: str | None = None
-        self.token_ns: list[int] = []  # stamp of every token event (inter-token gaps)
+        # Gaps between token events, counted into the ITL histogram's buckets in batches of
+        # token stamps: bounded memory however long the stream (telemetry/gaps.py).
+        self.token_ns: list[int] = []
+        self.gaps: Gaps | None = None
+        self.gap_bounds_ns = gap_bounds_ns
         self.overhead_ns = 0  # time in gateway code while relaying
         self.t_connect_start = self.t_connect_end = 0
         self.provider_queue_s: float | None = None  # provider-reported stages (seconds)
@@ -174,6 +178,7 @@ class Exchange:
         self.t_connect_start = self.t_connect_end = 0
         self.events = self.token_events = 0
         self.token_ns = []
+        self.gaps = None
         self.prompt_tokens = self.completion_tokens = None
         self.cached_tokens = self.cache_write_tokens = None
         self.usage_source = None
@@ -195,7 +200,10 @@ class Exchange:
             self.t_first_event = t
         if info.token:
             self.token_events += 1
-            self.token_ns.append(t)
+            stamps = self.token_ns
+            stamps.append(t)
+            if len(stamps) > BATCH:
+                self.counted_gaps()
             self.t_last_token = t
             if not self.t_first_token:
                 self.t_first_token = t
@@ -276,10 +284,15 @@ class Exchange:
             before = (sent - self.t_admitted) if sent else 0
         return (before + self.overhead_ns) / 1e9
 
-    def itl_s(self) -> list[float]:
-        """Gaps between successive token events, in seconds."""
-        ts = self.token_ns
-        return [(b - a) / 1e9 for a, b in itertools.pairwise(ts)]
+    def counted_gaps(self) -> Gaps | None:
+        """The gaps between this attempt's token events, all counted (None: fewer than two)."""
+        stamps = self.token_ns
+        if len(stamps) > 1:
+            gaps = self.gaps
+            if gaps is None:
+                gaps = self.gaps = Gaps(self.gap_bounds_ns)
+            gaps.take(stamps)
+        return self.gaps
 
     def ttft_s(self) -> float | None:
         """Time to first token: streamed answers that produced one, nothing else."""

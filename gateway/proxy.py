@@ -82,6 +82,7 @@ class Proxy:
         self.retry = cfg.retry
         self.finisher = finisher
         self.metrics = finisher.metrics
+        self.gap_bounds_ns = self.metrics.itl.bounds_ns  # stream gaps counted in its buckets
         self.tracing = finisher.tracing
         self.hold_until_first_token = cfg.server.commit == "first_token"
         self.active: set[Watchdog] = set()  # requests in flight (for the drain)
@@ -99,7 +100,7 @@ class Proxy:
         """Run one request through its phases; answer every failure in the client's API
         format; always finish."""
         api, _, operation = ROUTES[request.path]
-        ex = Exchange(request.path)
+        ex = Exchange(request.path, self.gap_bounds_ns)
         ex.api, ex.operation = api, operation
         self.metrics.in_flight.inc()
         watchdog: Watchdog | None = None

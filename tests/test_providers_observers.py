@@ -10,6 +10,7 @@ from gateway.apis import chat, messages, responses
 from gateway.apis.base import VISIBLE_TOKEN, Api, EventInfo
 from gateway.exchange import Exchange
 from gateway.sse import SSEEvent, SSEParser
+from stamps import StampedExchange
 
 anthropic_api, openai_responses = messages.API, responses.API
 
@@ -18,7 +19,7 @@ def observe(api: Api, route: str, stream: bytes,
             usage_chunks: bool = False) -> tuple[Exchange, list[int]]:
     """Feed the stream one event per read, stamping read i with time i+1; returns the exchange
     and the stamps of the token events."""
-    ctx = Exchange(route)
+    ctx = StampedExchange(route)
     ctx.stream = True
     parser = SSEParser()
     for t, part in enumerate(stream.split(b"\n\n")[:-1], start=1):
@@ -26,7 +27,7 @@ def observe(api: Api, route: str, stream: bytes,
             info = api.observe(ev, route)
             assert usage_chunks or not info.usage_only  # nothing here is dropped
             ctx.event_seen(info, t)
-    return ctx, ctx.token_ns
+    return ctx, ctx.token_stamps
 
 
 def sse(kind: str, data: str) -> bytes:

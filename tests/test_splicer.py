@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 from gateway.apis import chat, messages
 from gateway.exchange import Exchange
 from gateway.relay import HOLD_LIMIT, Splicer, splice
+from stamps import StampedExchange
 
 ROLE = b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
 TOKEN = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"%d"}}]}'
@@ -118,7 +119,7 @@ def test_the_token_shape_fast_path_stamps_what_parsing_every_event_would(
     stream = b"".join(parts)
     runs = []
     for shapes in (True, False):
-        ex = Exchange(chat.CHAT)
+        ex = StampedExchange(chat.CHAT)
         ex.stream = True
         splicer = Splicer(ex, chat.API)
         if not shapes:
@@ -126,7 +127,7 @@ def test_the_token_shape_fast_path_stamps_what_parsing_every_event_would(
         reads = _chunks(stream, cuts) if cuts else [
             b"".join(parts[i:i + per_read]) for i in range(0, len(parts), per_read)]
         out = b"".join(splicer.feed(c, t) for t, c in enumerate(reads, 1)) + splicer.pending
-        runs.append((out, ex.events, ex.token_events, ex.token_ns, ex.t_first_token,
+        runs.append((out, ex.events, ex.token_events, ex.token_stamps, ex.t_first_token,
                      ex.t_first_visible, ex.t_last_token, ex.finish_reasons, ex.done,
                      ex.response_id))
         plain = len(texts) > 1 and all(t and not set(t) & set('"\\\n') for t in texts)

@@ -100,9 +100,12 @@ class OTLPMetrics:
         first_chunk = D.FIRST_CHUNK.seconds(ctx)
         if first_chunk is not None:
             self.first_chunk.record(first_chunk, attrs)
-            if self.chunk_metrics:
-                for gap in ctx.itl_s():
-                    self.per_chunk.record(gap, attrs)
+            gaps = ctx.counted_gaps() if self.chunk_metrics else None
+            if gaps is not None:
+                # each gap at the middle of its Prometheus bucket (the stamps are not kept)
+                for value, count in gaps.midpoints_s():
+                    for _ in range(count):
+                        self.per_chunk.record(value, attrs)
         ttft = D.TTFT.seconds(ctx)
         if ttft is not None:
             self.ttft.record(ttft, {**attrs, "slogate.slo_class": ctx.slo.name if ctx.slo else "",

@@ -26,6 +26,7 @@ from gateway.exchange import Exchange
 from gateway.telemetry import durations as D
 from gateway.telemetry.attribution import cache_bucket, prompt_bucket
 from gateway.telemetry.counter import Counter, Gauge as UnlabelledGauge
+from gateway.telemetry.gaps import Gaps
 from gateway.telemetry.tenants import TenantMetrics
 
 # TTFT / E2E reach 600 s (reasoning models think for minutes); fine enough at the low end for
@@ -41,7 +42,7 @@ OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01
 
 
 class Histogram(Collector):
-    """A labelled classic histogram, with a one-pass bulk observation of inter-token gaps."""
+    """A labelled classic histogram, with a bulk observation of a stream's inter-token gaps."""
 
     def __init__(self, name: str, doc: str, labelnames: Sequence[str],
                  buckets: Iterable[float]) -> None:
@@ -49,7 +50,7 @@ class Histogram(Collector):
         self.doc = doc
         self.labelnames = tuple(labelnames)
         self.bounds = tuple(sorted(set(buckets)))
-        self._bounds_ns = tuple(int(b * 1e9) for b in self.bounds)
+        self.bounds_ns = tuple(int(b * 1e9) for b in self.bounds)
         self._le = [floatToGoString(b) for b in self.bounds] + ["+Inf"]  # type: ignore[no-untyped-call]
         # labels -> [bucket counts, sum, {bucket index: Exemplar}]
         self._series: dict[tuple[str, ...], list[Any]] = {}
@@ -71,16 +72,21 @@ class Histogram(Collector):
         if trace_id is not None:
             s[2][i] = Exemplar({"trace_id": trace_id}, value, time.time())
 
-    def observe_gaps_ns(self, labels: tuple[str, ...], stamps: list[int]) -> None:
-        """One observation per gap between successive monotonic-ns stamps (integer math: no
-        float list per request)."""
+    def observe_gaps(self, labels: tuple[str, ...], gaps: Gaps) -> None:
+        """A stream's inter-token gaps, counted in its buckets (gateway/telemetry/gaps.py): added
+        bucket by bucket when they were counted over this histogram's bounds (the proxy's
+        exchanges are), else each at the middle of the bucket it was counted in."""
         s = self._get(labels)
-        counts, bounds = s[0], self._bounds_ns
-        prev = stamps[0]
-        for t in stamps[1:]:
-            counts[bisect_left(bounds, t - prev)] += 1
-            prev = t
-        s[1] += (stamps[-1] - stamps[0]) / 1e9
+        if gaps.bounds_ns == self.bounds_ns:
+            counts = s[0]
+            for i, n in enumerate(gaps.counts):
+                if n:
+                    counts[i] += n
+            s[1] += gaps.total_s()
+            return
+        for value, n in gaps.midpoints_s():
+            s[0][bisect_left(self.bounds, value)] += n
+        s[1] += gaps.total_s()
 
     def collect(self) -> Iterator[Metric]:
         fam = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
@@ -267,8 +273,9 @@ class Metrics:
         tpot = ctx.tpot_s()
         if tpot is not None:
             self.tpot.observe(with_slo, tpot)
-        if len(ctx.token_ns) > 1:
-            self.itl.observe_gaps_ns(base, ctx.token_ns)
+        gaps = ctx.counted_gaps()
+        if gaps is not None:
+            self.itl.observe_gaps(base, gaps)
         wait = D.ADMISSION_WAIT.seconds(ctx)
         if wait is not None:
             self.queue_wait.observe((slo_name,), wait)
