@@ -37,7 +37,7 @@ from gateway.exchange import Exchange, now_ns
 from gateway.limits import EVENT_TOO_LARGE, EventTooLarge
 from gateway.sse import DEFAULT_MAX_EVENT_BYTES, SSEEvent, SSEParser
 from gateway.telemetry.tracing import CAPTURE_LIMIT
-from gateway.wire import ClientWire, CoalescedResponse, UpstreamBody
+from gateway.wire import ClientWire, CoalescedResponse, UpstreamBody, start_response
 
 if TYPE_CHECKING:
     from gateway.apis.base import Api, EventInfo, TokenShape
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from gateway.upstream import UpstreamResponse
 
 HOLD_LIMIT = 64 * 1024
-_COMMIT, _DRAIN, _EOF = object(), object(), object()  # what the relay's sink asks for
+_DRAIN, _EOF = object(), object()  # what the relay's sink asks for
 PING = b": ping\n\n"
 
 
@@ -169,9 +169,10 @@ class Relay:
 
     The body is relayed inside the upstream protocol's `data_received` (gateway/wire.py):
     each decoded read goes through the Splicer and, once committed, straight to the client's
-    transport. This coroutine only wakes when the sink asks it to (commit, client back-pressure)
-    and at the end; bytes keep their order (held until the commit has taken them, the upstream
-    paused during a drain). Deadlines and a client that leaves cancel it, as before."""
+    transport; the commit itself (response head and the held bytes, one write) happens in the
+    read that brings the first token. This coroutine only wakes when the sink asks it to
+    (client back-pressure) and at the end; bytes keep their order (the upstream paused during
+    a drain). Deadlines and a client that leaves cancel it, as before."""
 
     def __init__(self, request: web.Request, ex: Exchange, up: UpstreamResponse,
                  api: Api, headers: object, *, hold_until_first_token: bool,
@@ -191,12 +192,11 @@ class Relay:
         self.held_bytes = 0
         self.held: list[bytes] = []  # before commit
         self.t_last_write = 0
-        self._commit_lock: asyncio.Lock | None = None  # only when a pinger can race the reader
         self.body = UpstreamBody(up)
         self.wire: ClientWire | None = None  # after commit
         self.idle_armed = False
-        # What the sink asks of the coroutine: _COMMIT or _DRAIN (upstream paused meanwhile),
-        # then the end: _EOF or an exception to raise.
+        # What the sink asks of the coroutine: _DRAIN (upstream paused meanwhile), then the
+        # end: _EOF or an exception to raise.
         self.asked: object = None
         self.end: object = None
         self.waiter: asyncio.Future[None] | None = None
@@ -229,7 +229,10 @@ class Relay:
                     self.held.append(out)
                     self.held_bytes += len(out)
                 if not self.hold or ex.t_first_token or ex.done or ex.error_type:
-                    self._ask(_COMMIT)
+                    self._commit()  # the first token leaves in the read that brought it
+                    wire = self.wire
+                    if wire is not None and wire.full:
+                        self._ask(_DRAIN)
                 elif self.held_bytes + len(self.splicer.pending) > self.max_event_bytes:
                     self._finish(EventTooLarge(self.held_bytes + len(self.splicer.pending),
                                                self.max_event_bytes,
@@ -245,14 +248,10 @@ class Relay:
         self._finish(exc, pause=False)  # the body failed: nothing more will come
 
     def _ask(self, what: object) -> None:
-        """The coroutine must do something that awaits (commit, drain). For a drain the
-        upstream waits; for a commit it need not (no syscalls to stop and restart reading on
-        every request): what arrives meanwhile is held like everything before it and goes out
-        after it, in order — unless that grows past HOLD_LIMIT."""
-        if self.asked is None or what is _COMMIT:
-            self.asked = what
-        if what is _DRAIN or self.held_bytes > HOLD_LIMIT:
-            self.body.pause()
+        """The coroutine must await something (a drain of the client's buffer); the upstream
+        waits meanwhile."""
+        self.asked = what
+        self.body.pause()
         self._wake()
 
     def _finish(self, what: object, pause: bool = True) -> None:
@@ -269,36 +268,24 @@ class Relay:
 
     # -- the coroutine -------------------------------------------------------------------------
 
-    async def _commit(self) -> None:
-        """Send the response headers and what was held, once. The exchange's `response` is
-        the commit state; it is published after the held bytes are taken, with no await in
-        between, so bytes arriving meanwhile keep their order. The lock only serialises the
-        reader and the keepalive pinger."""
-        lock = self._commit_lock
-        if lock is None:
-            await self._commit_once()
-            return
-        async with lock:
-            await self._commit_once()
-
-    async def _commit_once(self) -> None:
+    def _commit(self) -> None:
+        """Send the response head and what was held, once, in one write. Synchronous (no await:
+        gateway/wire.py's start_response), so it runs wherever commit is due — inside the
+        upstream read that brought the first token, in the pinger, at the end — and nothing
+        can come between the held bytes and the ones after them. The exchange's `response` is
+        the commit state."""
         ex = self.ex
         if ex.response is not None:
             return
         resp = CoalescedResponse(status=self.up.status, headers=self.headers)  # type: ignore[arg-type]
+        first, self.held, self.held_bytes = b"".join(self.held), [], 0
+        ex.t_committed = now_ns()
         try:
-            await resp.prepare(self.request)
+            start_response(resp, self.request, first)
         except (ConnectionResetError, aiohttp.ClientConnectionResetError) as e:
             raise ClientGone() from e
-        ex.t_committed = now_ns()
-        first, self.held = b"".join(self.held), []
         ex.response = resp
         self.wire = ClientWire(self.request, resp)
-        # aiohttp sends the headers with the first write (one segment with the first token);
-        # an empty write sends them alone, so that body writes can go to the transport. The
-        # server's writer has no on-chunk-sent hook: headers and `first` reach the transport
-        # before anything can await, so bytes the sink sends from now on come after them.
-        await write(resp, first)
         self.t_last_write = now_ns()
 
     async def _keepalive(self) -> None:
@@ -311,7 +298,7 @@ class Relay:
             if (now_ns() - self.t_last_write) / 1e9 < interval or self.splicer.partial_out:
                 continue
             try:
-                await self._commit()
+                self._commit()
                 if self.wire is not None and not self.wire.send(PING):
                     return  # the reader finds out at its next write
             except ClientGone:
@@ -321,7 +308,6 @@ class Relay:
     async def run(self) -> web.StreamResponse:
         pinger = None
         if self.keepalive_s > 0:
-            self._commit_lock = asyncio.Lock()
             pinger = asyncio.create_task(self._keepalive())
         try:
             return await self._run()
@@ -344,9 +330,7 @@ class Relay:
                     finally:
                         self.waiter = None
                 what, self.asked = self.asked, None
-                if what is _COMMIT:
-                    await self._commit()
-                elif what is _DRAIN:
+                if what is _DRAIN:
                     try:
                         await self._client_wire().drain()
                     except (ConnectionError, aiohttp.ClientConnectionResetError) as e:
@@ -379,7 +363,7 @@ class Relay:
         except EventTooLarge as e:
             return await self._too_large(e)
         if ex.done:
-            await self._commit()
+            self._commit()
             pending = self.splicer.pending
             if pending:
                 await write(self._client(), pending)

@@ -17,12 +17,14 @@ is the body of a streamed answer, both ways:
   directly (chunk framing done here: one `transport.write` per upstream read), and the client
   protocol's `writing_paused` says when to stop reading upstream.
 
-Everything here is synchronous and allocation-light; the one coroutine per stream (the Relay)
-only wakes at commit, under back-pressure and at the end. tests/test_wire.py pins the aiohttp
+Everything here is synchronous and allocation-light, the response head included
+(`start_response`); the one coroutine per stream (the Relay) only wakes under back-pressure
+and at the end. tests/test_wire.py pins the aiohttp
 behaviour this relies on, so that an aiohttp upgrade that changes it fails there first.
 """
 from __future__ import annotations
 
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
@@ -172,6 +174,32 @@ class CoalescedResponse(web.StreamResponse):
     the head alone."""
 
     _send_headers_immediately = False
+
+
+def run_now(coro: Coroutine[Any, Any, Any]) -> None:
+    """Run an aiohttp coroutine that cannot suspend to its end, here and now (no task, no loop
+    iteration). Suspending would be a bug of ours (its preconditions are pinned in
+    tests/test_wire.py), raised as such."""
+    try:
+        coro.send(None)
+    except StopIteration:
+        return
+    coro.close()
+    raise RuntimeError(f"{getattr(coro, '__qualname__', coro)} suspended")
+
+
+def start_response(resp: CoalescedResponse, request: web.Request, first: bytes) -> None:
+    """Send the response's head with `first` (possibly empty) in one write, synchronously: from
+    inside the upstream's `data_received` the first token goes out in the read that brought it,
+    not one event-loop iteration later (under load an iteration is a burst of other streams'
+    reads). aiohttp's `prepare` suspends only for on_response_prepare receivers (the gateway
+    registers none), compression (never enabled here) or a headers-sent hook (none on the
+    server's writer); its writer's `write` only to drain, which `drain=False` skips (the relay
+    checks the client's buffer itself). Raises aiohttp's errors for a client already gone."""
+    run_now(resp.prepare(request))
+    writer = resp._payload_writer
+    assert writer is not None, "prepared"
+    run_now(writer.write(first, drain=False))  # type: ignore[call-arg]
 
 
 class ClientWire:

@@ -37,41 +37,50 @@ def test_hooked_reader_has_the_stream_readers_layout() -> None:
     assert _HookedReader.__basicsize__ == StreamReader.__basicsize__
 
 
+class _Transport:
+    """Records what a response writes to the client's transport."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+    def writelines(self, chunks: list[bytes]) -> None:
+        self.writes.append(b"".join(chunks))
+
+    def is_closing(self) -> bool:
+        return False
+
+
+class _Protocol:
+    def __init__(self) -> None:
+        self.transport = _Transport()
+
+
+def _request(app: web.Application | None = None) -> tuple[web.Request, _Transport]:
+    from aiohttp.http_writer import StreamWriter
+    from aiohttp.test_utils import make_mocked_request
+
+    proto = _Protocol()
+    writer = StreamWriter(proto, asyncio.get_running_loop())  # type: ignore[arg-type]
+    request = make_mocked_request("POST", "/v1/chat/completions", writer=writer, app=app)
+    return request, proto.transport
+
+
 async def test_the_head_and_the_first_bytes_leave_in_one_write() -> None:
     """CoalescedResponse: aiohttp keeps the head until the first body write and sends both in
     one transport write; an empty first write sends the head alone. A plain StreamResponse
     writes its head in prepare, a write of its own (pinned too: if aiohttp changes either,
     this fails before TTFT does)."""
-    from aiohttp.http_writer import StreamWriter
-    from aiohttp.test_utils import make_mocked_request
-
     from gateway.wire import CoalescedResponse
 
-    class Transport:
-        def __init__(self) -> None:
-            self.writes: list[bytes] = []
-
-        def write(self, data: bytes) -> None:
-            self.writes.append(bytes(data))
-
-        def writelines(self, chunks: list[bytes]) -> None:
-            self.writes.append(b"".join(chunks))
-
-        def is_closing(self) -> bool:
-            return False
-
-    class Protocol:
-        def __init__(self) -> None:
-            self.transport = Transport()
-
     async def writes(cls: type[web.StreamResponse], first: bytes) -> list[bytes]:
-        proto = Protocol()
-        writer = StreamWriter(proto, asyncio.get_running_loop())  # type: ignore[arg-type]
-        request = make_mocked_request("POST", "/v1/chat/completions", writer=writer)
+        request, transport = _request()
         resp = cls(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await resp.write(first)
-        return proto.transport.writes
+        return transport.writes
 
     token = chunk(1)
     (one,) = await writes(CoalescedResponse, token)
@@ -81,6 +90,35 @@ async def test_the_head_and_the_first_bytes_leave_in_one_write() -> None:
     assert head.startswith(b"HTTP/1.1 200 OK\r\n") and head.endswith(b"\r\n\r\n")
     head, body = await writes(web.StreamResponse, token)
     assert head.endswith(b"\r\n\r\n") and body.endswith(token + b"\r\n")
+
+
+async def test_the_commit_runs_without_the_event_loop() -> None:
+    """start_response runs aiohttp's prepare and first write to their end synchronously (the
+    relay commits inside the upstream's data_received), more than a socket buffer at once
+    too; it would suspend only for an on_response_prepare receiver — the gateway's app has
+    none, and one that awaits is caught, not half-run."""
+    from gateway.wire import CoalescedResponse, start_response
+
+    request, transport = _request()
+    big = b"data: " + b"x" * (256 * 1024) + b"\n\n"
+    start_response(CoalescedResponse(headers={"Content-Type": "text/event-stream"}), request, big)
+    (one,) = transport.writes  # written before anything could await
+    assert one.startswith(b"HTTP/1.1 200 OK\r\n") and one.endswith(big + b"\r\n")
+
+    app = build_app(gateway_config("http://127.0.0.1:9"))
+    assert not app.on_response_prepare and all(not sub.on_response_prepare for sub in [
+        r.resource._app for r in app.router.routes()  # type: ignore[union-attr]
+        if hasattr(r.resource, "_app")])
+
+    async def slow(request: web.Request, response: web.StreamResponse) -> None:
+        await asyncio.sleep(0)
+
+    hooked = web.Application()
+    hooked.on_response_prepare.append(slow)
+    hooked.freeze()
+    request, transport = _request(hooked)
+    with pytest.raises(RuntimeError, match="suspended"):
+        start_response(CoalescedResponse(), request, b"")
 
 
 class Sink:
