@@ -43,10 +43,14 @@ async def ttft(session: aiohttp.ClientSession, url: str) -> float:
 
 
 async def probe(urls: dict[str, str], n: int, warmup: int = 20) -> dict[str, list[float]]:
+    """Each path once per turn, the order rotated every turn: a fixed order biases the paths by
+    position (measured: the one right after `direct` came out ~0.15 ms slower at rest)."""
     out: dict[str, list[float]] = {name: [] for name in urls}
+    paths = list(urls.items())
     async with aiohttp.ClientSession() as s:
         for i in range(n + warmup):
-            for name, url in urls.items():
+            k = i % len(paths)
+            for name, url in paths[k:] + paths[:k]:
                 t = await ttft(s, url)
                 if i >= warmup:
                     out[name].append(t)
