@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=8.0)
     ap.add_argument("--baseline", default="main", help="git revision to compare with")
     ap.add_argument("--tokens", type=int, default=100, help="tokens per answer (default 100)")
+    ap.add_argument("--baseline-python", help="the baseline gateway's Python (another venv: "
+                    "compares dependency versions; default: this one)")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="slogate-paired-"))
     procs = ov.Procs(tmp)
@@ -56,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
             env = dict(os.environ)
             if name == "baseline":
                 env["PYTHONPATH"] = str(base)
+            gw_py = args.baseline_python if name == "baseline" and args.baseline_python else py
             p = procs.start(name, shlex.split(ov.DEFAULT_GATEWAY_CMD.format(
-                python=py, config=cfg, host=host, port=port)), gw_cpu, env=env, cwd=cwd)
+                python=gw_py, config=cfg, host=host, port=port)), gw_cpu, env=env, cwd=cwd)
             ov.wait_http(procs, name, f"http://{host}:{port}/healthz")
             pids[name], urls[name] = p.pid, f"http://{host}:{port}/v1/chat/completions"
         res: dict[str, list[float]] = {"gateway": [], "baseline": []}
