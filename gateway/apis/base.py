@@ -16,6 +16,7 @@ Adding a provider is one module here and one line in gateway/apis/__init__.py.
 """
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -79,13 +80,19 @@ VISIBLE_TOKEN = EventInfo(token=True, visible=True)
 DONE = EventInfo(done=True)
 
 
+# A byte a plain token text may not hold: a quote or backslash (the text would not be one JSON
+# string value) or a line end (the event would not be one data line). One regex search over
+# the text: 4 bounded `bytes.find` calls cost twice as much (their argument parsing).
+_NOT_PLAIN = re.compile(rb'["\\\r\n]').search
+
+
 @dataclass(frozen=True, slots=True)
 class TokenShape:
     """A stream's ordinary text-token event as the bytes around its text. An event that is
-    `prefix + text + suffix`, with a non-empty text free of `"` and `\\`, is the event this
-    shape was taken from with one JSON string value changed to another non-empty one: it
-    says `info` too, without being parsed (the relay's fast path for the common token).
-    Taken from an event of one data line: prefix and suffix hold no line end."""
+    `prefix + text + suffix`, with a non-empty text free of `"`, `\\` and line ends, is the
+    event this shape was taken from with one JSON string value changed to another non-empty
+    one: it says `info` too, without being parsed (the relay's fast path for the common
+    token). Taken from an event of one data line: prefix and suffix hold no line end."""
     prefix: bytes
     suffix: bytes
     info: EventInfo
@@ -101,7 +108,7 @@ class TokenShape:
         """`data` (one event's data) fits: the check of an event parsed out of a read."""
         start, end = len(self.prefix), len(data) - len(self.suffix)
         return (end > start and data.startswith(self.prefix) and data.endswith(self.suffix)
-                and data.find(b'"', start, end) < 0 and data.find(b"\\", start, end) < 0)
+                and _NOT_PLAIN(data, start, end) is None)
 
     def fits_event(self, chunk: bytes) -> bool:
         """`chunk` is exactly one whole `data:` event (LF line ends) that fits: the relay's
@@ -110,9 +117,7 @@ class TokenShape:
         start = len(self.event_prefix)
         end = len(chunk) - len(self.event_suffix)
         return (end > start and chunk.startswith(self.event_prefix)
-                and chunk.endswith(self.event_suffix) and chunk.find(b'"', start, end) < 0
-                and chunk.find(b"\\", start, end) < 0 and chunk.find(b"\n", start, end) < 0
-                and chunk.find(b"\r", start, end) < 0)
+                and chunk.endswith(self.event_suffix) and _NOT_PLAIN(chunk, start, end) is None)
 
 
 @dataclass(frozen=True, slots=True)
