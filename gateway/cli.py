@@ -57,10 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, help="TOML config file")
     serve.add_argument("--host", help="listen address (overrides [server].host)")
     serve.add_argument("--port", type=int, help="listen port (overrides [server].port)")
-    serve.add_argument("--workers", default="1", metavar="N",
+    serve.add_argument("--workers", metavar="N",
                        help="worker processes on one port (SO_REUSEPORT) under a supervisor "
                        "that restarts them and drains them all on SIGTERM; 'auto' = the "
-                       "cores this process may use (default 1: a single process)")
+                       "cores this process may use (default: [server] workers, else 1: a "
+                       "single process)")
     serve.add_argument("--worker", help=argparse.SUPPRESS)  # the supervisor's, for one worker
 
     check = sub.add_parser("check", help="validate a config and print it resolved",
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     from gateway import server, workers
 
     try:
-        n = workers.parse_workers(args.workers)
+        n = workers.parse_workers(args.workers) if args.workers is not None else None
     except ValueError as e:
         print(f"slogate: {e}", file=sys.stderr)
         return 2

@@ -74,6 +74,9 @@ class ServerConfig:
     admin_port: int = 0
     admin_metrics: bool = False
     admin_console: bool = False
+    # Worker processes on one port (SO_REUSEPORT) under a supervisor (gateway/workers.py): an
+    # integer >= 1, or "auto" (the cores this process may use). `serve --workers` overrides it.
+    workers: int | str = 1
 
 
 @dataclass(frozen=True)
@@ -497,7 +500,15 @@ def _server(table: Any) -> ServerConfig:
                              "true or false"),
         admin_console=_typed("server", table, "admin_console", bool, d.admin_console,
                              "true or false"),
+        workers=_workers(table, d.workers),
     )
+
+
+def _workers(table: dict[str, Any], default: int | str) -> int | str:
+    value = table.get("workers", default)
+    if value == "auto" or (type(value) is int and value >= 1):
+        return value  # type: ignore[no-any-return]
+    raise ConfigError("server.workers", value, 'an integer >= 1 or "auto"')
 
 
 def _count(where: str, table: dict[str, Any], key: str, default: int, minimum: int) -> int:

@@ -400,9 +400,10 @@ class ListenError(Exception):
 
 
 def run(config_path: str, host: str | None = None, port: int | None = None,
-        workers: int = 1, worker: str | None = None) -> int:
-    """`slogate serve`: one gateway, or (workers > 1) the supervisor of N workers
-    (gateway/workers.py); `worker` is the supervisor's spec for one of them."""
+        workers: int | None = None, worker: str | None = None) -> int:
+    """`slogate serve`: one gateway, or (workers > 1; None: the config's `[server] workers`)
+    the supervisor of N workers (gateway/workers.py); `worker` is the supervisor's spec for
+    one of them."""
     setup_logging()
     try:
         cfg = config_mod.load(config_path)
@@ -413,6 +414,10 @@ def run(config_path: str, host: str | None = None, port: int | None = None,
         logging.getLogger("slogate.access").setLevel(logging.WARNING)
     host = host or cfg.server.host
     port = cfg.server.port if port is None else port
+    if workers is None:
+        from gateway.workers import parse_workers
+
+        workers = parse_workers(str(cfg.server.workers))
     if workers > 1 and worker is None:
         from gateway.workers import supervise
 

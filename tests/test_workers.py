@@ -20,7 +20,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway import cli
+from gateway import cli, config
 from gateway.admission.hostlocal import SlotTable
 from gateway.telemetry import aggregate
 from gateway.telemetry.prometheus import Metrics
@@ -139,6 +139,18 @@ def test_workers_argument() -> None:
         with pytest.raises(ValueError):
             parse_workers(bad)
     assert cli.main(["serve", "--config", "/nonexistent.toml", "--workers", "0"]) == 2
+    # ... or `[server] workers` in the config, which --workers overrides.
+    backends = [{"name": "b", "base_url": "http://127.0.0.1:9/v1"}]
+
+    def workers_key(value: object) -> object:
+        return config.parse({"auth": {"mode": "open"}, "server": {"workers": value},
+                             "backends": backends}).server.workers
+
+    assert workers_key(4) == 4 and workers_key("auto") == "auto"
+    assert config.parse({"auth": {"mode": "open"}, "backends": backends}).server.workers == 1
+    for wrong in (0, -2, "many", True, 2.0):
+        with pytest.raises(config.ConfigError, match="server.workers"):
+            workers_key(wrong)
     ctx = WorkerContext("/tmp/x", 1, 4)
     assert ctx.split_connections(4096, 256) == (1024, 85)  # 64 + 3 sigma of Binomial(256, 1/4)
     assert WorkerContext("/tmp/x", 0, 2).split_connections(4096, 256) == (2048, 152)
@@ -216,13 +228,18 @@ class Host:
 
 
 @contextlib.asynccontextmanager
-async def host(workers: int = 2) -> AsyncIterator[Host]:
+async def host(workers: int = 2, in_config: bool = False) -> AsyncIterator[Host]:
+    """A simulator and a gateway of `workers` workers (`--workers`, or `[server] workers`)."""
     async with slogate("sim", "--decode-base-ms", "20", "--decode-per-seq-ms", "0",
                        ready_path="/health") as sim:
         cfg = Path(tempfile.mkstemp(prefix="slogate-workers-", suffix=".toml")[1])
-        cfg.write_text(CONFIG.format(sim=sim.url, cap=CAP))
+        text = CONFIG.format(sim=sim.url, cap=CAP)
+        if in_config:
+            text = text.replace("[server]\n", f"[server]\nworkers = {workers}\n")
+        cfg.write_text(text)
+        flag = [] if in_config else ["--workers", str(workers)]
         try:
-            async with slogate("serve", "--config", str(cfg), "--workers", str(workers),
+            async with slogate("serve", "--config", str(cfg), *flag,
                                ready_path="/readyz") as gw, \
                     aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
                 h = Host(sim, gw, s)
@@ -235,6 +252,12 @@ async def host(workers: int = 2) -> AsyncIterator[Host]:
                 yield h
         finally:
             cfg.unlink(missing_ok=True)
+
+
+async def test_the_config_says_how_many_workers() -> None:
+    async with host(2, in_config=True) as h:
+        v = await h.metrics()
+        assert v[("slogate_workers_configured", ())] == 2
 
 
 async def test_workers_share_one_port_one_cap_one_metrics_and_one_log() -> None:
