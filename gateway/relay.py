@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from gateway.upstream import UpstreamResponse
 
 HOLD_LIMIT = 64 * 1024
-_DRAIN, _EOF = object(), object()  # what the relay's sink asks for
+_EOF = object()  # the body's end, as the sink reports it to the coroutine
 PING = b": ping\n\n"
 
 
@@ -195,9 +195,9 @@ class Relay:
         self.body = UpstreamBody(up)
         self.wire: ClientWire | None = None  # after commit
         self.idle_armed = False
-        # What the sink asks of the coroutine: _DRAIN (upstream paused meanwhile), then the
-        # end: _EOF or an exception to raise.
-        self.asked: object = None
+        # What the sink asks of the coroutine: a drain of the client's buffer (the upstream
+        # paused meanwhile), then the end: _EOF or an exception to raise.
+        self.drain_asked = False
         self.end: object = None
         self.waiter: asyncio.Future[None] | None = None
 
@@ -221,7 +221,7 @@ class Relay:
                     if wire.send(out):
                         self.t_last_write = t
                         if wire.full:
-                            self._ask(_DRAIN)
+                            self._drain_first()
                     else:
                         self._finish(ClientGone())
             else:
@@ -230,9 +230,8 @@ class Relay:
                     self.held_bytes += len(out)
                 if not self.hold or ex.t_first_token or ex.done or ex.error_type:
                     self._commit()  # the first token leaves in the read that brought it
-                    wire = self.wire
-                    if wire is not None and wire.full:
-                        self._ask(_DRAIN)
+                    if self._client_wire().full:
+                        self._drain_first()
                 elif self.held_bytes + len(self.splicer.pending) > self.max_event_bytes:
                     self._finish(EventTooLarge(self.held_bytes + len(self.splicer.pending),
                                                self.max_event_bytes,
@@ -247,10 +246,10 @@ class Relay:
     def body_error(self, exc: BaseException) -> None:
         self._finish(exc, pause=False)  # the body failed: nothing more will come
 
-    def _ask(self, what: object) -> None:
-        """The coroutine must await something (a drain of the client's buffer); the upstream
-        waits meanwhile."""
-        self.asked = what
+    def _drain_first(self) -> None:
+        """The client's buffer is over its high-water mark: the upstream waits while the
+        coroutine awaits its drain."""
+        self.drain_asked = True
         self.body.pause()
         self._wake()
 
@@ -323,14 +322,14 @@ class Relay:
         body.hook(self)
         try:
             while True:
-                if self.asked is None and self.end is None:
+                if not self.drain_asked and self.end is None:
                     self.waiter = loop.create_future()
                     try:
                         await self.waiter
                     finally:
                         self.waiter = None
-                what, self.asked = self.asked, None
-                if what is _DRAIN:
+                if self.drain_asked:
+                    self.drain_asked = False
                     try:
                         await self._client_wire().drain()
                     except (ConnectionError, aiohttp.ClientConnectionResetError) as e:
