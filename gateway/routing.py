@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from gateway.exchange import Exchange
 
 
-# The exchange whose upstream request is being sent, set only around `session.post` (the
+# The exchange whose upstream request is being sent, set only around `upstream.send` (the
 # connector runs in the request's own task, so it sees it; nothing else does).
 CONNECTING: ContextVar[Exchange | None] = ContextVar("slogate_connecting", default=None)
 

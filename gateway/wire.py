@@ -169,9 +169,8 @@ class UpstreamBody:
 class CoalescedResponse(web.StreamResponse):
     """A streamed answer's response whose head aiohttp keeps until the first body write, so that
     the head and the bytes held until commit (the first token) leave in one write: one syscall
-    and one segment, not two (a plain StreamResponse writes its head in `prepare`; at rest that
-    second write to a client that was asleep cost ~0.3 ms of TTFT). An empty first write sends
-    the head alone."""
+    and one segment, not two (a plain StreamResponse writes its head in `prepare`: 18 µs more
+    per request). An empty first write sends the head alone."""
 
     _send_headers_immediately = False
 

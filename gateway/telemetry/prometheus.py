@@ -77,15 +77,13 @@ class Histogram(Collector):
         bucket by bucket when they were counted over this histogram's bounds (the proxy's
         exchanges are), else each at the middle of the bucket it was counted in."""
         s = self._get(labels)
+        counts = s[0]
         if gaps.bounds_ns == self.bounds_ns:
-            counts = s[0]
             for i, n in enumerate(gaps.counts):
-                if n:
-                    counts[i] += n
-            s[1] += gaps.total_s()
-            return
-        for value, n in gaps.midpoints_s():
-            s[0][bisect_left(self.bounds, value)] += n
+                counts[i] += n
+        else:
+            for value, n in gaps.midpoints_s():
+                counts[bisect_left(self.bounds, value)] += n
         s[1] += gaps.total_s()
 
     def collect(self) -> Iterator[Metric]:
