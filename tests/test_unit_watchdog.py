@@ -258,16 +258,17 @@ async def test_one_timer_serves_a_request_whose_deadlines_only_move_later() -> N
         ctx.t_first_token = ctx.t_last_event = clock()
         wd.first_token()  # idle gap ends at 4.5 s: still the one timer
         assert len(clock.pending()) == 1
+        parked.set()
         try:
             await asyncio.Event().wait()
         except asyncio.CancelledError:
             fired.append(wd.claim())
 
+    parked = asyncio.Event()
     task = asyncio.create_task(handler())
-    await asyncio.sleep(0)
+    await parked.wait()  # the handler's timer is set and it waits
     clock.advance(2.999)  # 4.499 s: the early check re-armed, nothing fired
-    await asyncio.sleep(0)
-    assert fired == []
+    assert not task.cancelling() and len(clock.pending()) == 1  # a firing cancels at once
     clock.advance(0.001)
     await asyncio.wait_for(task, 1)
     assert fired == [IDLE] and clock() == ctx.t_received + 4.5 * S
