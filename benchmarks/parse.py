@@ -10,8 +10,8 @@ import statistics
 import time
 
 from gateway.apis import chat
+from gateway.apis.sse import SSEParser
 from gateway.exchange import Exchange
-from gateway.sse import SSEParser
 
 TOKEN = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,'
          b'"model":"sim-llama-8b","choices":[{"index":0,"delta":{"content":" token"},'

@@ -47,7 +47,7 @@ from pathlib import Path
 import aiohttp
 
 from benchmarks.procstat import open_fds, rss_mib
-from gateway import demo
+from gateway.ops import demo
 
 MAX_BATCH, BASE_MS, PER_SEQ_MS, TOKENS = 16, 20.0, 0.5, 32
 CAPACITY_RPS = MAX_BATCH / (TOKENS * (BASE_MS + PER_SEQ_MS * MAX_BATCH) / 1e3)

@@ -1,4 +1,4 @@
 """`python -m gateway` is the same as the `slogate` command."""
-from gateway.cli import main
+from gateway.ops.cli import main
 
 raise SystemExit(main())

@@ -74,7 +74,7 @@ class ServerConfig:
     admin_port: int = 0
     admin_metrics: bool = False
     admin_console: bool = False
-    # Worker processes on one port (SO_REUSEPORT) under a supervisor (gateway/workers.py): an
+    # Worker processes on one port (SO_REUSEPORT) under a supervisor (gateway/ops/workers.py): an
     # integer >= 1, or "auto" (the cores this process may use). `serve --workers` overrides it.
     workers: int | str = 1
 
@@ -154,7 +154,7 @@ class BackendConfig:
     max_concurrency: int = 0  # admission's per-replica cap (0 = [admission].max_concurrency)
     # send max_completion_tokens as max_tokens (llama.cpp's server ignores the newer name)
     rename_max_completion_tokens: bool = False
-    # Header policy (gateway/headers.py): client headers dropped by default that this backend
+    # Header policy (gateway/edge/headers.py): client headers dropped by default that this backend
     # gets anyway (e.g. "OpenAI-Organization"), and forwarded ones it must not get
     # (e.g. "anthropic-beta").
     forward_headers: tuple[str, ...] = ()

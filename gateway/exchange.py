@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.apis.base import EventInfo
 from gateway.telemetry import attribution, durations
-from gateway.telemetry.gaps import BATCH, Gaps
+from gateway.timeline import BATCH, Gaps
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from gateway.apis.base import Api, Provider
     from gateway.config import Timeouts
     from gateway.errors import AttemptFailed
-    from gateway.routing import Replica
-    from gateway.upstream import UpstreamResponse
+    from gateway.transport.client import UpstreamResponse
+    from gateway.upstream.routing import Replica
 
 now_ns = time.monotonic_ns
 
@@ -123,7 +123,7 @@ class Exchange:
         self.outcome: str | None = None
         self.cancel_phase: str | None = None
         # Gaps between token events, counted into the ITL histogram's buckets in batches of
-        # token stamps: bounded memory however long the stream (telemetry/gaps.py).
+        # token stamps: bounded memory however long the stream (gateway/timeline.py).
         self.token_ns: list[int] = []
         self.gaps: Gaps | None = None
         self.gap_bounds_ns = gap_bounds_ns

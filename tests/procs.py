@@ -9,7 +9,7 @@ import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from gateway import demo
+from gateway.ops import demo
 from prometheus_server import free_port
 from servers import stop_process
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import aiohttp
 
-from gateway import demo
+from gateway.ops import demo
 from servers import stop_process
 
 

@@ -9,8 +9,8 @@ import pytest
 from openai import AsyncOpenAI
 
 from gateway import config
-from gateway.auth import hash_key
-from gateway.server import build_app
+from gateway.edge.auth import hash_key
+from gateway.ops.server import build_app
 from servers import serve_app
 from upstreams import REQUESTS, scripted_app
 

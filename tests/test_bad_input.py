@@ -10,7 +10,7 @@ import orjson
 
 from backends.sim import SimConfig, build_app as build_sim
 from gateway import config
-from gateway.server import build_app
+from gateway.ops.server import build_app
 from servers import serve_app
 
 GOOD = {"model": "m", "stream": True, "max_tokens": 30, "seed": 3,

@@ -9,7 +9,7 @@ import pytest
 
 from backends.sim import SimConfig, build_app as build_sim
 from gateway import config
-from gateway.server import build_app
+from gateway.ops.server import build_app
 from servers import serve_app
 from waiting import wait_until
 

@@ -21,9 +21,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gateway import cli, config
-from gateway.netdiag import describe_connect_error, describe_listen_error
-from gateway.server import build_app
+from gateway import config
+from gateway.ops import cli
+from gateway.ops.server import build_app
+from gateway.transport.netdiag import describe_connect_error, describe_listen_error
 from prometheus_server import free_port
 from servers import serve_app
 

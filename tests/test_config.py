@@ -101,7 +101,7 @@ def test_example_config_is_valid() -> None:
 def test_verdicts() -> None:
     from gateway.errors import OK
     from gateway.exchange import Exchange
-    from gateway.slo import SLOClass, SLOTarget, verdict
+    from gateway.request.slo import SLOClass, SLOTarget, verdict
 
     def ctx(stream: bool, ttft_ms: float, tpot_ms: float, n: int, e2e_ms: float) -> Exchange:
         c = Exchange("/v1/chat/completions")

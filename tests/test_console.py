@@ -22,8 +22,8 @@ import orjson
 from backends.sim import SimConfig, build_app as build_sim
 from gateway import config
 from gateway.console.recorder import _BINS, ConsoleRecorder, _bin, percentiles, stages
-from gateway.server import build_app
-from gateway.slo import SLOClass
+from gateway.ops.server import build_app
+from gateway.request.slo import SLOClass
 from servers import serve_app
 
 MS = 1_000_000

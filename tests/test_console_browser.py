@@ -24,7 +24,7 @@ from selenium.webdriver.common.by import By
 
 from backends.sim import SimConfig, build_app as build_sim
 from gateway import config
-from gateway.server import build_app
+from gateway.ops.server import build_app
 from gateway.telemetry.tracing import Tracing
 from servers import serve_app
 

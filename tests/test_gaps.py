@@ -1,4 +1,4 @@
-"""A stream's inter-token gaps are counted in batches (gateway/telemetry/gaps.py): the ITL
+"""A stream's inter-token gaps are counted in batches (gateway/timeline.py): the ITL
 histogram gets exactly what one observation per gap gave, and a stream's memory does not grow
 with its length."""
 from __future__ import annotations

@@ -24,7 +24,9 @@ import pytest
 
 import hostile
 from backends.sim import SimConfig, build_app as build_sim
-from gateway import config, limits, server
+from gateway import config
+from gateway.edge import limits
+from gateway.ops import server
 from procs import slogate
 from servers import serve_app
 

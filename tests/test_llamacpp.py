@@ -217,7 +217,7 @@ async def test_through_the_gateway_same_stream_and_recorded_timeline(llamacpp, c
     from openai import AsyncOpenAI, OpenAI
 
     from gateway import config
-    from gateway.server import build_app
+    from gateway.ops.server import build_app
     from servers import serve_app
 
     caplog.set_level(logging.INFO, logger="slogate.access")

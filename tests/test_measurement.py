@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backends.sim import SimConfig, build_app as build_sim
 from gateway import config
-from gateway.server import FINISHER_KEY, build_app
+from gateway.ops.server import FINISHER_KEY, build_app
 from otlp_receiver import RECEIVER, receiver_app
 from servers import serve_app
 from waiting import wait_until

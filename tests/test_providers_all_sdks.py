@@ -14,7 +14,7 @@ import groq
 import openai
 import pytest
 
-from gateway.auth import hash_key
+from gateway.edge.auth import hash_key
 from provider_stack import UPSTREAM_KEY, UPSTREAM_KEY_ENV, stack
 
 GATEWAY_KEY = "gw-key-team-a"

@@ -143,7 +143,7 @@ async def test_models_list_and_unknown_routes_in_anthropics_format() -> None:
     import anthropic
 
     from gateway import config as gw_config
-    from gateway.server import build_app
+    from gateway.ops.server import build_app
     from servers import serve_app
 
     cfg = gw_config.parse({"auth": {"mode": "open"}, "backends": [

@@ -8,8 +8,8 @@ from hypothesis import given, settings, strategies as st
 
 from gateway.apis import chat, messages, responses
 from gateway.apis.base import VISIBLE_TOKEN, Api, EventInfo
+from gateway.apis.sse import SSEEvent, SSEParser
 from gateway.exchange import Exchange
-from gateway.sse import SSEEvent, SSEParser
 from stamps import StampedExchange
 
 anthropic_api, openai_responses = messages.API, responses.API

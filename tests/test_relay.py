@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from gateway import config
-from gateway.server import build_app
+from gateway.ops.server import build_app
 from servers import serve_app
 from upstreams import CANCELLED, REQUESTS, scripted_app
 from waiting import wait_until

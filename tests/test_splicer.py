@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from gateway.apis import chat, messages
 from gateway.exchange import Exchange
-from gateway.relay import HOLD_LIMIT, Splicer, splice
+from gateway.request.relay import HOLD_LIMIT, Splicer, splice
 from stamps import StampedExchange
 
 ROLE = b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'

@@ -1,4 +1,4 @@
-"""Tests for gateway/sse.py: the incremental SSE parser used as a tap on relayed bytes.
+"""Tests for gateway/apis/sse.py: the incremental SSE parser used as a tap on relayed bytes.
 
 A plain whole-input reference parser (WHATWG HTML §9.2.6, see
 shared/reference/wire-and-telemetry.md §7.1) is checked against SSEParser fed the same bytes in
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from gateway.sse import SSEParser
+from gateway.apis.sse import SSEParser
 
 BOM = b"\xef\xbb\xbf"
 

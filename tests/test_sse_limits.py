@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.limits import EventTooLarge
-from gateway.sse import DEFAULT_MAX_EVENT_BYTES, SSEParser
+from gateway.apis.sse import DEFAULT_MAX_EVENT_BYTES, SSEParser
+from gateway.edge.limits import EventTooLarge
 
 LIMIT = 4096
 

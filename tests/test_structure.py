@@ -14,8 +14,8 @@ from openai import AsyncOpenAI
 
 from backends.sim import SimConfig, build_app as build_sim
 from gateway import config
-from gateway.auth import hash_key
-from gateway.server import FINISHER_KEY, build_app
+from gateway.edge.auth import hash_key
+from gateway.ops.server import FINISHER_KEY, build_app
 from otlp_receiver import RECEIVER, receiver_app
 from prometheus_server import free_port
 from servers import serve_app

@@ -13,7 +13,7 @@ from openai import AsyncOpenAI
 
 from backends.sim import SimConfig, build_app as build_sim
 from gateway import config
-from gateway.server import FINISHER_KEY, build_app
+from gateway.ops.server import FINISHER_KEY, build_app
 from otlp_receiver import RECEIVER, receiver_app
 from procs import sim_and_gateway
 from prometheus_server import prometheus

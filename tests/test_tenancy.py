@@ -18,8 +18,8 @@ from openai import AsyncOpenAI
 
 from backends.sim import SimConfig, build_app as build_sim
 from gateway import config
-from gateway.auth import hash_key
-from gateway.server import build_app
+from gateway.edge.auth import hash_key
+from gateway.ops.server import build_app
 from prometheus_server import free_port
 from redis_server import redis_server
 from servers import serve_app
@@ -312,7 +312,7 @@ async def test_7_admin_needs_an_admin_key() -> None:
 
 
 async def test_7b_admin_keys_and_a_separate_admin_listener() -> None:
-    from gateway.server import ADMIN_APP_KEY  # (imported here: the module loads on old mains)
+    from gateway.ops.server import ADMIN_APP_KEY  # (imported here: the module loads on old mains)
 
     async with serve_app(build_sim(SimConfig(**FAST))) as sim:
         cfg = keyed([("a", sim, ["m"])], [{"key": "k-tenant", "tenant": "t"}],

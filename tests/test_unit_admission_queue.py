@@ -18,7 +18,7 @@ from gateway.admission.controller import AdmissionController, Ticket
 from gateway.config import AdmissionConfig
 from gateway.errors import GatewayError
 from gateway.exchange import Exchange
-from gateway.slo import SLOClass, SLOTarget
+from gateway.request.slo import SLOClass, SLOTarget
 from gateway.telemetry.prometheus import Metrics
 from waiting import wait_until
 

@@ -6,7 +6,7 @@ import asyncio
 
 from fakeclock import FakeClock
 from gateway.config import BreakerPolicy
-from gateway.health import CLOSED, HALF_OPEN, OPEN, Breaker
+from gateway.upstream.health import CLOSED, HALF_OPEN, OPEN, Breaker
 
 
 def breaker(clock: FakeClock, failures: int = 3,

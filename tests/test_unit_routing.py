@@ -1,12 +1,12 @@
-"""Connection timing (gateway/routing.py's TimedConnector): a new upstream connection is stamped
-on the exchange being sent, a pooled one is not, and nothing is stamped outside a send."""
+"""Connection timing (gateway/upstream/routing.py's TimedConnector): a new upstream connection is
+stamped on the exchange being sent, a pooled one is not, and nothing is stamped outside a send."""
 from __future__ import annotations
 
 import aiohttp
 from aiohttp import web
 
 from gateway.exchange import Exchange
-from gateway.routing import CONNECTING, TimedConnector
+from gateway.upstream.routing import CONNECTING, TimedConnector
 from servers import serve_app
 
 

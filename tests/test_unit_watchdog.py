@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 
 from fakeclock import FakeClock
-from gateway.deadlines import FIRST_TOKEN, IDLE, SHUTDOWN, TOTAL, Watchdog
 from gateway.exchange import Exchange
+from gateway.request.deadlines import FIRST_TOKEN, IDLE, SHUTDOWN, TOTAL, Watchdog
 
 S = 1_000_000_000  # ns per second
 

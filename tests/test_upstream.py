@@ -1,4 +1,4 @@
-"""The upstream request written by the gateway (gateway/upstream.py) on aiohttp's pooled
+"""The upstream request written by the gateway (gateway/transport/client.py) on aiohttp's pooled
 connections: what reaches the upstream, byte for byte; what aiohttp's connector reads of a
 request (pinned against the installed aiohttp); pooling, 1xx answers, header injection."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ from aiohttp.client_reqrep import ClientRequest
 from multidict import CIMultiDict
 from yarl import URL
 
-from gateway import upstream
-from gateway.routing import TimedConnector
+from gateway.transport import client as upstream
+from gateway.upstream.routing import TimedConnector
 
 TIMEOUT = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=5)
 

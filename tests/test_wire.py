@@ -1,5 +1,5 @@
-"""The protocol-level relay (gateway/wire.py): what it relies on in aiohttp, back-pressure both
-ways, and a connection that goes back to the pool after a hooked body."""
+"""The protocol-level relay (gateway/transport/wire.py): what it relies on in aiohttp,
+back-pressure both ways, and a connection that goes back to the pool after a hooked body."""
 from __future__ import annotations
 
 import asyncio
@@ -11,8 +11,8 @@ from aiohttp import web
 from aiohttp.streams import StreamReader
 
 from gateway import config
-from gateway.server import build_app
-from gateway.wire import UpstreamBody, _HookedReader
+from gateway.ops.server import build_app
+from gateway.transport.wire import UpstreamBody, _HookedReader
 from servers import serve_app
 from waiting import wait_until
 
@@ -73,7 +73,7 @@ async def test_the_head_and_the_first_bytes_leave_in_one_write() -> None:
     one transport write; an empty first write sends the head alone. A plain StreamResponse
     writes its head in prepare, a write of its own (pinned too: if aiohttp changes either,
     this fails before TTFT does)."""
-    from gateway.wire import CoalescedResponse
+    from gateway.transport.wire import CoalescedResponse
 
     async def writes(cls: type[web.StreamResponse], first: bytes) -> list[bytes]:
         request, transport = _request()
@@ -97,7 +97,7 @@ async def test_the_commit_runs_without_the_event_loop() -> None:
     relay commits inside the upstream's data_received), more than a socket buffer at once
     too; it would suspend only for an on_response_prepare receiver — the gateway's app has
     none, and one that awaits is caught, not half-run."""
-    from gateway.wire import CoalescedResponse, start_response
+    from gateway.transport.wire import CoalescedResponse, start_response
 
     request, transport = _request()
     big = b"data: " + b"x" * (256 * 1024) + b"\n\n"

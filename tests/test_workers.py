@@ -20,11 +20,12 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway import cli, config
+from gateway import config
 from gateway.admission.hostlocal import SlotTable
+from gateway.ops import cli
+from gateway.ops.workers import WorkerContext, parse_workers, worker_env
 from gateway.telemetry import aggregate
 from gateway.telemetry.prometheus import Metrics
-from gateway.workers import WorkerContext, parse_workers, worker_env
 from procs import Proc, slogate
 from waiting import wait_until
 
@@ -501,7 +502,7 @@ async def test_workers_drain_and_exit_when_their_supervisor_is_killed(tmp_path: 
 
 def test_a_worker_stuck_in_shutdown_exits_with_its_stacks() -> None:
     code = ("import logging, time; logging.basicConfig(); "
-            "from gateway.workers import WorkerContext; "
+            "from gateway.ops.workers import WorkerContext; "
             "WorkerContext('/tmp', 3, 4, 1).exit_if_stuck(0.2); time.sleep(30)")
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)

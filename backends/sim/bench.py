@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     url = args.url
     pid = None
     if url is None:
-        cmd = [sys.executable, "-m", "gateway.cli", "sim", "--port", str(args.port), *FAST]
+        cmd = [sys.executable, "-m", "gateway.ops.cli", "sim", "--port", str(args.port), *FAST]
         if args.taskset:
             cmd = ["taskset", "-c", args.taskset, *cmd]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)

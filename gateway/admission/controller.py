@@ -49,8 +49,8 @@ from gateway.errors import (
     RateLimited,
 )
 from gateway.exchange import Exchange, now_ns
-from gateway.routing import Replica, Router
 from gateway.telemetry.prometheus import Metrics
+from gateway.upstream.routing import Replica, Router
 
 ADMITTED, QUEUED, REJECTED = "admitted", "queued", "rejected"
 TIE_BAND = 0.05  # predictions within 5 % of the best are equally good: pick one at random

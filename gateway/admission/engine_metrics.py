@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from gateway import limits
+from gateway.edge import limits
 
 log = logging.getLogger("slogate.admission")
 

@@ -27,8 +27,8 @@ import orjson
 if TYPE_CHECKING:
     from aiohttp import web
 
+    from gateway.apis.sse import SSEEvent
     from gateway.errors import RateLimits
-    from gateway.sse import SSEEvent
 
 
 @dataclass(frozen=True, slots=True)

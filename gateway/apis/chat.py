@@ -28,7 +28,7 @@ from gateway.apis.base import (
 )
 
 if TYPE_CHECKING:
-    from gateway.sse import SSEEvent
+    from gateway.apis.sse import SSEEvent
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 _CONTENT = b'"delta":{"content":"'  # the text of the common chunk, in compact JSON

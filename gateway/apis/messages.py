@@ -27,8 +27,8 @@ from gateway.apis.base import (
 )
 
 if TYPE_CHECKING:
+    from gateway.apis.sse import SSEEvent
     from gateway.errors import RateLimits
-    from gateway.sse import SSEEvent
 
 API_VERSION = "2023-06-01"  # what the SDKs send; the API refuses requests without a version
 

@@ -23,7 +23,7 @@ from gateway.apis.base import (
 )
 
 if TYPE_CHECKING:
-    from gateway.sse import SSEEvent
+    from gateway.apis.sse import SSEEvent
 
 # Delta events that carry model output (§1.9); the value says whether it is visible text.
 _TOKEN_DELTAS = {

@@ -21,13 +21,13 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar
 from prometheus_client.utils import floatToGoString
 
-from gateway import limits
+from gateway.edge import limits
 from gateway.exchange import Exchange
 from gateway.telemetry import durations as D
 from gateway.telemetry.attribution import cache_bucket, prompt_bucket
 from gateway.telemetry.counter import Counter, Gauge as UnlabelledGauge
-from gateway.telemetry.gaps import Gaps
 from gateway.telemetry.tenants import TenantMetrics
+from gateway.timeline import Gaps
 
 # TTFT / E2E reach 600 s (reasoning models think for minutes); fine enough at the low end for
 # hosted fast engines.
@@ -73,7 +73,7 @@ class Histogram(Collector):
             s[2][i] = Exemplar({"trace_id": trace_id}, value, time.time())
 
     def observe_gaps(self, labels: tuple[str, ...], gaps: Gaps) -> None:
-        """A stream's inter-token gaps, counted in its buckets (gateway/telemetry/gaps.py): added
+        """A stream's inter-token gaps, counted in its buckets (gateway/timeline.py): added
         bucket by bucket when they were counted over this histogram's bounds (the proxy's
         exchanges are), else each at the middle of the bucket it was counted in."""
         s = self._get(labels)

@@ -14,24 +14,25 @@ from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
 import gateway
-from gateway import config as config_mod, limits, listener
+from gateway import config as config_mod
 from gateway.admission.controller import AdmissionController
 from gateway.apis import LOCAL_ROUTES, ROUTES, chat, messages
 from gateway.apis.base import Api, Handler
-from gateway.auth import AuthPolicy
 from gateway.config import Config
 from gateway.console import Console, ConsoleRecorder
+from gateway.edge import limits, listener
+from gateway.edge.auth import AuthPolicy
 from gateway.errors import SHUTDOWN, GatewayError
 from gateway.exchange import new_request_id
-from gateway.finish import Finisher
-from gateway.netdiag import describe_listen_error
-from gateway.proxy import REQUEST_ID_HEADER, Proxy
-from gateway.routing import Replica, Router
-from gateway.slo import SLOPolicy
+from gateway.ops.workers import WorkerContext
+from gateway.request.finish import Finisher
+from gateway.request.proxy import REQUEST_ID_HEADER, Proxy
+from gateway.request.slo import SLOPolicy
 from gateway.telemetry.otlp_metrics import OTLPMetrics
 from gateway.telemetry.prometheus import Metrics
 from gateway.telemetry.tracing import Tracing
-from gateway.workers import WorkerContext
+from gateway.transport.netdiag import describe_listen_error
+from gateway.upstream.routing import Replica, Router
 
 log = logging.getLogger("slogate")
 CONFIG_KEY = web.AppKey("config", Config)
@@ -402,7 +403,7 @@ class ListenError(Exception):
 def run(config_path: str, host: str | None = None, port: int | None = None,
         workers: int | None = None, worker: str | None = None) -> int:
     """`slogate serve`: one gateway, or (workers > 1; None: the config's `[server] workers`)
-    the supervisor of N workers (gateway/workers.py); `worker` is the supervisor's spec for
+    the supervisor of N workers (gateway/ops/workers.py); `worker` is the supervisor's spec for
     one of them."""
     setup_logging()
     try:
@@ -415,11 +416,11 @@ def run(config_path: str, host: str | None = None, port: int | None = None,
     host = host or cfg.server.host
     port = cfg.server.port if port is None else port
     if workers is None:
-        from gateway.workers import parse_workers
+        from gateway.ops.workers import parse_workers
 
         workers = parse_workers(str(cfg.server.workers))
     if workers > 1 and worker is None:
-        from gateway.workers import supervise
+        from gateway.ops.workers import supervise
 
         return supervise(config_path, host, port, workers, cfg.server.drain_timeout_s,
                          cfg.server.readiness_grace_s)

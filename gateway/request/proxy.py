@@ -27,9 +27,9 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from gateway import ingress, limits, upstream
 from gateway.apis import ROUTES
-from gateway.deadlines import DeadlineOverrides, Watchdog
+from gateway.edge import ingress, limits
+from gateway.edge.headers import client_response_headers, upstream_request_headers
 from gateway.errors import (
     ATTEMPT_OK,
     CLIENT_CANCELLED,
@@ -48,22 +48,23 @@ from gateway.errors import (
     deadline_failure,
 )
 from gateway.exchange import Attempt, Exchange, now_ns
-from gateway.headers import client_response_headers, upstream_request_headers
-from gateway.health import HALF_OPEN
-from gateway.netdiag import describe_connect_error
-from gateway.relay import Relay
-from gateway.routing import CONNECTING
+from gateway.request.deadlines import DeadlineOverrides, Watchdog
+from gateway.request.relay import Relay
 from gateway.telemetry.tracing import CAPTURE_LIMIT
-from gateway.upstream import UpstreamResponse
+from gateway.transport import client as upstream
+from gateway.transport.client import UpstreamResponse
+from gateway.transport.netdiag import describe_connect_error
+from gateway.upstream.health import HALF_OPEN
+from gateway.upstream.routing import CONNECTING
 
 if TYPE_CHECKING:
     from gateway.admission.controller import AdmissionController
     from gateway.apis.base import Api
-    from gateway.auth import AuthPolicy
     from gateway.config import Config
-    from gateway.finish import Finisher
-    from gateway.routing import Replica, Router
-    from gateway.slo import SLOPolicy
+    from gateway.edge.auth import AuthPolicy
+    from gateway.request.finish import Finisher
+    from gateway.request.slo import SLOPolicy
+    from gateway.upstream.routing import Replica, Router
 
 REQUEST_ID_HEADER = "x-slogate-request-id"
 # Upstream error bodies are passed through; bounded so a misbehaving upstream cannot make us

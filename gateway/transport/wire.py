@@ -31,7 +31,7 @@ from aiohttp import web
 from aiohttp.streams import StreamReader
 
 if TYPE_CHECKING:
-    from gateway.upstream import UpstreamResponse
+    from gateway.transport.client import UpstreamResponse
 
 
 class BodySink(Protocol):

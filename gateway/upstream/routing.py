@@ -12,13 +12,13 @@ from urllib.parse import urlsplit
 import aiohttp
 from yarl import URL
 
-from gateway import health
 from gateway.apis import provider_for
 from gateway.config import BackendConfig, BreakerPolicy
 from gateway.errors import GatewayError
 from gateway.exchange import now_ns
-from gateway.health import Breaker
-from gateway.upstream import Target
+from gateway.transport.client import Target
+from gateway.upstream import health
+from gateway.upstream.health import Breaker
 
 if TYPE_CHECKING:
     from aiohttp.client_proto import ResponseHandler
@@ -77,7 +77,7 @@ class Replica:
         self.timeout = aiohttp.ClientTimeout(total=None, connect=None,
                                              sock_connect=cfg.timeouts.connect_s)
         # The session serves the health checks and engine-metrics scrapes; proxied requests
-        # go through gateway/upstream.py on the same connector.
+        # go through gateway/transport/client.py on the same connector.
         self.session = aiohttp.ClientSession(
             connector=connector,
             timeout=self.timeout,

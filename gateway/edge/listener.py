@@ -26,7 +26,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
-from gateway import limits
+from gateway.edge import limits
 
 log = logging.getLogger("slogate")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-EXAMPLE_CONFIG = Path(__file__).parent / "examples" / "sim.toml"
+EXAMPLE_CONFIG = Path(__file__).parent.parent / "examples" / "sim.toml"
 PROMPT_WORDS = ("latency goodput prefill decode token stream gateway engine batch queue "
                 "cache prefix replica deadline budget").split()
 

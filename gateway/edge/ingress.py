@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway import limits
+from gateway.edge import limits
 from gateway.errors import GatewayError
 
 

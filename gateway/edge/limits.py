@@ -1,10 +1,10 @@
 """Limits at the trust boundary: their names (a closed set, the `limit` label of
 slogate_limits_exceeded_total), what a refusal says, and the small helpers that enforce them.
 
-Connection-level limits (header timeout, connection caps) are the listener's (gateway/listener.py)
-and counted in slogate_connections_rejected_total{reason}. Every other limit ends a request or an
-upstream attempt with a code equal to its name, so the finished context says which limit it hit
-(`hits`) and the Prometheus observer counts it once per request.
+Connection-level limits (header timeout, connection caps) are the listener's
+(gateway/edge/listener.py) and counted in slogate_connections_rejected_total{reason}. Every
+other limit ends a request or an upstream attempt with a code equal to its name, so the finished
+context says which limit it hit (`hits`) and the Prometheus observer counts it once per request.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     import aiohttp
 
     from gateway.exchange import Exchange
-    from gateway.upstream import UpstreamResponse
+    from gateway.transport.client import UpstreamResponse
 
 
 def clip(value: object, n: int = MAX_STRING) -> str:

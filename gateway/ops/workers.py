@@ -391,7 +391,7 @@ def _describe_status(status: int) -> str:
 def supervise(config_path: str, host: str, port: int, count: int,
               drain_timeout_s: float, grace_s: float = 0.0) -> int:
     """Run N workers until SIGTERM; returns the exit status."""
-    from gateway.netdiag import describe_listen_error
+    from gateway.transport.netdiag import describe_listen_error
 
     sup = Supervisor(os.path.abspath(config_path), host, port, count, drain_timeout_s,
                      grace_s)

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import aiohttp
 from aiohttp import web
 
+from gateway.apis.sse import DEFAULT_MAX_EVENT_BYTES, SSEEvent, SSEParser
+from gateway.edge.limits import EVENT_TOO_LARGE, EventTooLarge
 from gateway.errors import (
     CLOSED_BEFORE_FIRST_TOKEN,
     GATEWAY_ERROR,
@@ -34,15 +36,13 @@ from gateway.errors import (
     deadline_failure,
 )
 from gateway.exchange import Exchange, now_ns
-from gateway.limits import EVENT_TOO_LARGE, EventTooLarge
-from gateway.sse import DEFAULT_MAX_EVENT_BYTES, SSEEvent, SSEParser
 from gateway.telemetry.tracing import CAPTURE_LIMIT
-from gateway.wire import ClientWire, CoalescedResponse, UpstreamBody, start_response
+from gateway.transport.wire import ClientWire, CoalescedResponse, UpstreamBody, start_response
 
 if TYPE_CHECKING:
     from gateway.apis.base import Api, EventInfo, TokenShape
-    from gateway.deadlines import Watchdog
-    from gateway.upstream import UpstreamResponse
+    from gateway.request.deadlines import Watchdog
+    from gateway.transport.client import UpstreamResponse
 
 HOLD_LIMIT = 64 * 1024
 _EOF = object()  # the body's end, as the sink reports it to the coroutine
@@ -167,7 +167,7 @@ class Splicer:
 class Relay:
     """One streamed response: the upstream response of `ex.attempt` → the client.
 
-    The body is relayed inside the upstream protocol's `data_received` (gateway/wire.py):
+    The body is relayed inside the upstream protocol's `data_received` (gateway/transport/wire.py):
     each decoded read goes through the Splicer and, once committed, straight to the client's
     transport; the commit itself (response head and the held bytes, one write) happens in the
     read that brings the first token. This coroutine only wakes when the sink asks it to
@@ -269,7 +269,7 @@ class Relay:
 
     def _commit(self) -> None:
         """Send the response head and what was held, once, in one write. Synchronous (no await:
-        gateway/wire.py's start_response), so it runs wherever commit is due — inside the
+        gateway/transport/wire.py's start_response), so it runs wherever commit is due — inside the
         upstream read that brought the first token, in the pinger, at the end — and nothing
         can come between the held bytes and the ones after them. The exchange's `response` is
         the commit state."""

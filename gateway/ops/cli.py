@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _hash_key() -> int:
-    from gateway.auth import hash_key
+    from gateway.edge.auth import hash_key
 
     if sys.stdin.isatty():
         import getpass
@@ -104,7 +104,7 @@ def _hash_key() -> int:
 
 def _plugin(args: argparse.Namespace) -> int:
     """A subcommand from the entry point group; a port it cannot listen on is one line."""
-    from gateway.netdiag import describe_listen_error
+    from gateway.transport.netdiag import describe_listen_error
 
     try:
         return int(args.run(args))
@@ -118,8 +118,7 @@ def _plugin(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "check":
-        from gateway import check
-
+        from gateway.ops import check
         return check.run(args.config)
     if args.command == "hash-key":
         return _hash_key()
@@ -127,11 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "run", None) is not None:
         return _plugin(args)
     if args.command == "demo":
-        from gateway import demo
-
+        from gateway.ops import demo
         return demo.run(args.duration, args.port, args.sim_port, args.concurrency)
-    from gateway import server, workers
-
+    from gateway.ops import server, workers
     try:
         n = workers.parse_workers(args.workers) if args.workers is not None else None
     except ValueError as e:

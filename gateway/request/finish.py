@@ -9,7 +9,7 @@ import orjson
 
 from gateway.errors import REJECTED
 from gateway.exchange import Exchange
-from gateway.slo import verdict
+from gateway.request.slo import verdict
 from gateway.telemetry.attribution import ttft_split
 from gateway.telemetry.otlp_metrics import OTLPMetrics
 from gateway.telemetry.prometheus import Metrics

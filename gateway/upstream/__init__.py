@@ -1,0 +1,2 @@
+"""The engine side: the replicas of each backend, how one is chosen (routing), and whether it
+is healthy (health: breaker and active checks)."""
