@@ -433,14 +433,14 @@ async def test_cached_tokens_from_every_format_reach_the_log_and_spans(fmt: str,
 
 
 def test_readme_lists_every_declared_duration_and_stage() -> None:
-    """The README's Durations table is the one in gateway/telemetry/durations.py: every
+    """docs/telemetry.md's Durations table is the one in gateway/telemetry/durations.py: every
     duration with its stamps, and every TTFT stage."""
     from pathlib import Path
 
     from gateway.telemetry.attribution import STAGES
     from gateway.telemetry.durations import DURATIONS
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "telemetry.md").read_text()
     for d in DURATIONS:
         assert f"| `{d.name}` | `{d.start}` → `{d.end}` | {d.when} | {d.where} |" in readme, d.name
     for stage in STAGES:
