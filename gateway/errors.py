@@ -143,3 +143,32 @@ def deadline_failure(reason: str) -> AttemptFailed:
                              retryable=False)
     return AttemptFailed(reason, 503, "The gateway is shutting down.", reason, retryable=False,
                          judges_backend=False)
+
+
+# -- the trust boundary's limits on what an upstream sends ----------------------------------
+
+class EventTooLarge(Exception):
+    """An upstream SSE event (or what was held before the first token) is over the limit."""
+
+    def __init__(self, size: int, limit: int, what: str = "event") -> None:
+        super().__init__(f"The upstream sent an {what} of more than {limit} bytes "
+                         f"({size} so far).")
+        self.size = size
+        self.limit = limit
+
+
+class ResponseTooLarge(Exception):
+    """A non-streamed upstream body (decompressed) is over the limit."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"The upstream's response is larger than {limit} bytes.")
+        self.limit = limit
+
+
+class ListenError(Exception):
+    """The listening socket could not be opened (the message says where and why)."""
+
+
+class StaleState(Exception):
+    """Shared admission state changed while a call waited for its turn: the call must not go
+    to Redis."""

@@ -10,14 +10,12 @@ stamps start again for the next one.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gateway.apis.base import EventInfo
-from gateway.telemetry import attribution, durations
-from gateway.timeline import BATCH, Gaps
+from gateway.timeline import BATCH, Gaps, now_ns
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -27,9 +25,6 @@ if TYPE_CHECKING:
     from gateway.errors import AttemptFailed
     from gateway.transport.client import UpstreamResponse
     from gateway.upstream.routing import Replica
-
-now_ns = time.monotonic_ns
-
 
 def new_request_id() -> str:
     """A random UUID: also sent upstream as X-Request-Id, and some servers (llama.cpp's, via
@@ -85,7 +80,7 @@ class Exchange:
         # telemetry inputs
         "token_ns", "gaps", "gap_bounds_ns", "overhead_ns", "t_connect_start", "t_connect_end",
         "provider_queue_s", "provider_prefill_s", "provider_decode_s",
-        "provider_prefill_inferred", "slo", "verdict", "model_label", "ttft_split",
+        "provider_prefill_inferred", "slo", "verdict", "model_label",
         "interruption", "trace", "server_address", "server_port", "tenant", "tenant_label",
         "policy", "served_model",
         "admission", "t_queued", "t_admitted", "t_last_event", "t_dispatched", "attempts",
@@ -135,7 +130,6 @@ class Exchange:
         self.provider_prefill_inferred = False  # computed from other reported numbers
         self.slo: Any = None  # slo.SLOTarget
         self.verdict: str | None = None
-        self.ttft_split: attribution.TTFTSplit | None = None  # set in finish
         self.model_label = "other"  # bounded model label for metrics
         self.interruption: str | None = None  # why a committed stream ended with an error event
         self.trace: Any = None  # telemetry.tracing.RequestSpans when tracing is on
@@ -240,7 +234,7 @@ class Exchange:
             self.provider_decode_s = timing.decode_s
             self.provider_prefill_inferred = timing.prefill_inferred
 
-    # -- derived durations --------------------------------------------------------------------
+    # -- where it is, and its end ----------------------------------------------------------------
     def phase(self) -> str:
         """Where the request is now: used to label a cancellation."""
         if not self.t_sent:
@@ -260,30 +254,6 @@ class Exchange:
             self.completion_tokens = self.token_events
             self.usage_source = "counted"
 
-    def durations_ms(self) -> dict[str, float]:
-        """Every duration that applies (gateway/telemetry/durations.py), in ms, plus TPOT,
-        the provider-reported stages and the gateway's overhead."""
-        out = durations.durations_ms(self)
-        tpot = self.tpot_s()
-        if tpot is not None:
-            out["tpot"] = round(tpot * 1e3, 3)
-        for name in ("provider_queue", "provider_prefill", "provider_decode"):
-            value = getattr(self, name + "_s")
-            if value is not None:
-                out[name] = round(value * 1e3, 3)
-        if self.overhead_ns or self.t_sent:
-            out["overhead"] = round(self.overhead_s() * 1e3, 3)
-        return out
-
-    def overhead_s(self) -> float:
-        """Gateway code time: ingress to upstream send (less time queued for admission), plus
-        relaying every read."""
-        sent = self.t_dispatched or self.t_sent
-        before = (sent - self.t_received) if sent else 0
-        if self.t_admitted and self.admission and self.admission[1] == "after_queue":
-            before = (sent - self.t_admitted) if sent else 0
-        return (before + self.overhead_ns) / 1e9
-
     def counted_gaps(self) -> Gaps | None:
         """The gaps between this attempt's token events, all counted (None: fewer than two)."""
         stamps = self.token_ns
@@ -293,71 +263,3 @@ class Exchange:
                 gaps = self.gaps = Gaps(self.gap_bounds_ns)
             gaps.take(stamps)
         return self.gaps
-
-    def ttft_s(self) -> float | None:
-        """Time to first token: streamed answers that produced one, nothing else."""
-        return durations.TTFT.seconds(self)
-
-    def tpot_s(self) -> float | None:
-        """Mean time per output token after the first (§1.7): decode time / (tokens - 1)."""
-        n = self.completion_tokens
-        decode = durations.DECODE.seconds(self)
-        if decode is None or not (n and n > 1):
-            return None
-        return decode / (n - 1)
-
-    def log_record(self) -> dict[str, Any]:
-        """The one JSON log line per request: stage durations and outcome, never content or
-        keys."""
-        rec: dict[str, Any] = {
-            "request_id": self.request_id,
-            "route": self.route,
-            "model": self.model,
-            "backend": self.backend,
-            "stream": self.stream,
-            "status": self.status,
-            "outcome": self.outcome,
-        }
-        if self.tenant:
-            rec["tenant"] = self.tenant
-        if self.served_model:
-            rec["served_model"] = self.served_model
-        if self.upstream_model and self.upstream_model != (self.served_model or self.model):
-            rec["upstream_model"] = self.upstream_model
-        if self.attempts:
-            rec["attempts"] = [{"backend": a.backend, "result": a.result,
-                                "ms": round((a.t_end - a.t_sent) / 1e6, 3)} for a in self.attempts]
-        if self.error_type:
-            rec["error_type"] = self.error_type
-        if self.cancel_phase:
-            rec["cancel_phase"] = self.cancel_phase
-        if self.interruption:
-            rec["interruption"] = self.interruption
-        if self.slo is not None:
-            rec["slo_class"] = self.slo.name
-        if self.verdict:
-            rec["verdict"] = self.verdict
-        if self.trace is not None:
-            rec["trace_id"] = self.trace.trace_id
-        rec["ms"] = self.durations_ms()
-        rec["events"] = self.events
-        rec["token_events"] = self.token_events
-        split = self.ttft_split
-        if split is not None:
-            rec["ttft_stages_ms"] = split.ms()
-            rec["ttft_largest_stage"] = split.largest
-            if split.missed:
-                rec["ttft_miss_stage"] = split.largest
-        rec["prompt_tokens"] = self.prompt_tokens
-        rec["completion_tokens"] = self.completion_tokens
-        rec["usage_source"] = self.usage_source
-        if self.cached_tokens is not None:
-            rec["cached_tokens"] = self.cached_tokens
-        if self.cache_write_tokens is not None:
-            rec["cache_write_tokens"] = self.cache_write_tokens
-        if self.prompt_tokens is not None:
-            rec["prefix_cache"] = attribution.cache_bucket(self)
-            rec["prompt_length"] = attribution.prompt_bucket(self)
-        if self.finish_reasons:
-            rec["finish_reasons"] = self.finish_reasons
-        return rec

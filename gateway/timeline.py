@@ -1,4 +1,6 @@
-"""The gaps between one stream's successive token events, kept as histogram bucket counts.
+"""The clock of every request's timeline (`now_ns`: monotonic ns), and the gaps between one
+stream's successive token events, kept as histogram bucket counts — a hot-path structure of the
+record, read by telemetry.
 
 A stream's memory must not grow with its length: a list of token stamps took 40 bytes per token
 (1.3 MB for a 32k-token reasoning answer; a hostile upstream streaming tiny events for the whole
@@ -9,8 +11,11 @@ BATCH (one tight loop: ~35 ns per token more than keeping them all).
 """
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections.abc import Iterator
+
+now_ns = time.monotonic_ns
 
 BATCH = 256  # token stamps a stream holds before they are counted (~10 KB at most)
 

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from gateway import config
+from gateway.apis import PROVIDERS
 
 BACKEND = {"name": "a", "base_url": "http://127.0.0.1:8000/v1"}
 OPEN = {"mode": "open"}
@@ -37,7 +38,7 @@ def test_minimal_config_defaults() -> None:
 ])
 def test_errors_name_key_value_and_expectation(raw, key, fragment) -> None:
     with pytest.raises(config.ConfigError) as e:
-        config.parse(raw)
+        config.parse(raw, providers=PROVIDERS)
     assert e.value.key == key
     assert fragment in str(e.value)
     assert key in str(e.value)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.apis.sse import DEFAULT_MAX_EVENT_BYTES, SSEParser
-from gateway.edge.limits import EventTooLarge
+from gateway.errors import EventTooLarge
 
 LIMIT = 4096
 

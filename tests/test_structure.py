@@ -35,16 +35,17 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _runtime_imports(path: Path, package: str, modules: set[str]) -> set[str]:
-    """Modules of our own imported when `path` runs (imports under `if TYPE_CHECKING:` are for
-    the type checker only and are left out). `from pkg import submodule` depends on the
-    submodule only; `import pkg` or `from pkg import name` on pkg's __init__ too."""
+def _imports(path: Path, package: str, modules: set[str], typing: bool = False) -> set[str]:
+    """Modules of our own that `path` imports: when it runs, or with `typing`, also those the
+    type checker reads (imports under `if TYPE_CHECKING:`). `from pkg import submodule` depends
+    on the submodule only; `import pkg` or `from pkg import name` on pkg's __init__ too."""
     tree = ast.parse(path.read_text())
     out: set[str] = set()
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            if not typing and isinstance(child, ast.If) \
+                    and "TYPE_CHECKING" in ast.unparse(child.test):
                 for orelse in child.orelse:
                     visit(orelse)
                 continue
@@ -66,19 +67,18 @@ def _runtime_imports(path: Path, package: str, modules: set[str]) -> set[str]:
     return {m for m in out if m.split(".")[0] in ("gateway", "backends")}
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(typing: bool = False) -> dict[str, set[str]]:
     files = [p for d in ("gateway", "backends") for p in (ROOT / d).rglob("*.py")]
     modules = {_module_name(p): p for p in files}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        graph[name] = {m for m in _runtime_imports(path, package, set(modules))
+        graph[name] = {m for m in _imports(path, package, set(modules), typing)
                        if m in modules and m != name}
     return graph
 
 
-def test_import_graph_has_no_cycle() -> None:
-    graph = _graph()
+def _assert_acyclic(graph: dict[str, set[str]]) -> None:
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -97,6 +97,49 @@ def test_import_graph_has_no_cycle() -> None:
     for node in sorted(graph):
         if node not in state:
             dfs(node)
+
+
+def test_import_graph_has_no_cycle() -> None:
+    _assert_acyclic(_graph())
+
+
+def test_no_cycle_even_through_type_checking_imports() -> None:
+    _assert_acyclic(_graph(typing=True))
+
+
+# The layers of gateway/, bottom up: a module imports (TYPE_CHECKING included) only from its own
+# layer or below. docs/architecture.md says what each is for.
+LAYERS = (
+    ("gateway", "gateway.errors", "gateway.timeline"),
+    ("gateway.config",),
+    ("gateway.apis",),
+    ("gateway.transport",),
+    ("gateway.edge",),
+    ("gateway.upstream",),
+    ("gateway.exchange",),
+    ("gateway.telemetry",),
+    ("gateway.admission",),
+    ("gateway.request",),
+    ("gateway.console",),
+    ("gateway.ops", "gateway.__main__"),
+)
+
+
+def _layer(module: str) -> int:
+    best = (-1, -1)  # (length of the longest matching prefix, its layer)
+    for level, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best[0]:
+                best = (len(prefix), level)
+    assert best[1] >= 0, f"{module} is in no layer"
+    return best[1]
+
+
+def test_no_import_runs_up_a_layer() -> None:
+    graph = _graph(typing=True)
+    up = sorted(f"{m} -> {i}" for m, imports in graph.items() if m.startswith("gateway")
+                for i in imports if _layer(i) > _layer(m))
+    assert not up, "imports that run up a layer:\n" + "\n".join(up)
 
 
 def test_backends_import_nothing_from_the_gateway_and_the_gateway_not_the_simulator() -> None:

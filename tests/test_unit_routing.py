@@ -1,4 +1,4 @@
-"""Connection timing (gateway/upstream/routing.py's TimedConnector): a new upstream connection is
+"""Connection timing (gateway/transport/connector.py's TimedConnector): a new upstream connection is
 stamped on the exchange being sent, a pooled one is not, and nothing is stamped outside a send."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.exchange import Exchange
-from gateway.upstream.routing import CONNECTING, TimedConnector
+from gateway.transport.connector import CONNECTING, TimedConnector
 from servers import serve_app
 
 

@@ -13,7 +13,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from gateway.transport import client as upstream
-from gateway.upstream.routing import TimedConnector
+from gateway.transport.connector import TimedConnector
 
 TIMEOUT = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=5)
 

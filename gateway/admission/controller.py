@@ -48,8 +48,10 @@ from gateway.errors import (
     GatewayError,
     RateLimited,
 )
-from gateway.exchange import Exchange, now_ns
+from gateway.exchange import Exchange
+from gateway.telemetry import durations
 from gateway.telemetry.prometheus import Metrics
+from gateway.timeline import now_ns
 from gateway.upstream.routing import Replica, Router
 
 ADMITTED, QUEUED, REJECTED = "admitted", "queued", "rejected"
@@ -694,7 +696,7 @@ class AdmissionController:
                              actual - est.provider_queue_s)
             self.metrics.ttft_error.observe((ticket.replica.name, ctx.model_label),
                                             abs(actual - ticket.predicted_ttft_s))
-            tpot = ctx.tpot_s()
+            tpot = durations.tpot_s(ctx)
             if tpot is not None and ticket.state == "done":
                 at_first = ticket.decoding_sum if ticket.decoding_sum is not None else decoding_end
                 mean_decoding = (at_first + decoding_end) / 2

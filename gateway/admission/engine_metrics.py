@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from gateway.edge import limits
+from gateway.errors import ResponseTooLarge
 
 log = logging.getLogger("slogate.admission")
 
@@ -61,7 +62,7 @@ async def scrape_forever(session: aiohttp.ClientSession, base_url: str, interval
                 elif not failing:
                     log.warning("engine metrics %s answered %d", url, r.status)
                     failing = True
-        except (TimeoutError, aiohttp.ClientError, OSError, limits.ResponseTooLarge) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError, ResponseTooLarge) as e:
             if not failing:
                 log.warning("engine metrics %s unreachable: %s", url, type(e).__name__)
                 failing = True

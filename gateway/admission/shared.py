@@ -42,6 +42,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from gateway.config import AdmissionConfig
+from gateway.errors import StaleState
 
 # No CLIENT SETINFO on connect (redis-py >= 7 takes driver_info=None; older, lib_name=None).
 NO_SETINFO: dict[str, Any] = (
@@ -147,10 +148,6 @@ QUOTA_PREFIX = PREFIX + "quota:"
 
 _FAILURES = (RedisError, OSError, asyncio.TimeoutError)
 MAX_CALLS = 8  # Redis calls in flight per gateway (the rest wait their turn, untimed)
-
-
-class _Stale(Exception):
-    """The state changed while a call waited for its turn: it must not go to Redis."""
 
 
 def gateway_id() -> str:
@@ -280,7 +277,7 @@ class SharedState:
             except asyncio.CancelledError:
                 call.add_done_callback(lambda t: self._abandoned(backend, t, epoch))
                 raise
-            except _Stale:
+            except StaleState:
                 pass  # went local while waiting: decide locally
             except _FAILURES as e:
                 self._lost(e, epoch)
@@ -358,7 +355,7 @@ class SharedState:
         try:
             ok, left = await self._call(self._bucket, keys=[QUOTA_PREFIX + name],
                                         args=[capacity, cost, 1 if force else 0], epoch=epoch)
-        except _Stale:
+        except StaleState:
             return None
         except _FAILURES as e:
             self._lost(e, epoch)
@@ -395,7 +392,7 @@ class SharedState:
         bounded by redis-py's socket timeouts and, as a whole, by 2 x timeout_s."""
         async with self._sem:
             if epoch is not None and epoch != self.epoch:
-                raise _Stale
+                raise StaleState
             async with asyncio.timeout(2 * self.timeout_s):
                 return await fn(*args, **kw)
 
@@ -406,10 +403,10 @@ class SharedState:
 
     async def _release_remote(self, backend: str, epoch: int) -> None:
         try:
-            # A resync since then already wrote the count without this slot (_Stale).
+            # A resync since then already wrote the count without this slot (StaleState).
             await self._call(self._release, keys=[INFLIGHT_PREFIX + backend], args=[self.gid],
                              epoch=epoch)
-        except _Stale:
+        except StaleState:
             pass
         except _FAILURES as e:
             self._lost(e, epoch)
@@ -417,7 +414,7 @@ class SharedState:
     async def _force_acquire(self, backend: str, epoch: int) -> None:
         try:
             await self._call(self.r.hincrby, INFLIGHT_PREFIX + backend, self.gid, 1, epoch=epoch)
-        except _Stale:
+        except StaleState:
             pass
         except _FAILURES as e:
             self._lost(e, epoch)
@@ -467,7 +464,7 @@ class SharedState:
                 epoch = self.epoch
                 try:
                     await self._refresh(epoch)
-                except _Stale:
+                except StaleState:
                     pass
                 except _FAILURES as e:
                     self._lost(e, epoch)

@@ -14,7 +14,7 @@ EventTooLarge instead of growing the parser's buffers (an upstream that never se
 """
 from __future__ import annotations
 
-from gateway.edge.limits import EventTooLarge
+from gateway.errors import EventTooLarge
 
 DEFAULT_MAX_EVENT_BYTES = 8 * 1024 * 1024
 

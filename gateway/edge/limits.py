@@ -9,12 +9,11 @@ context says which limit it hit (`hits`) and the Prometheus observer counts it o
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import orjson
 
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, ResponseTooLarge
 
 MAX_STRING = 256  # client-supplied strings echoed in error bodies and logs are cut to this
 
@@ -29,7 +28,7 @@ RESPONSE_TOO_LARGE = "response_too_large"  # a non-streamed upstream body (decom
 UPSTREAM_REDIRECT = "upstream_redirect"  # an upstream answered 3xx (never followed)
 LIMITS = (BODY_TIMEOUT, REQUEST_TOO_LARGE, STRING_TOO_LONG, EVENT_TOO_LARGE, RESPONSE_TOO_LARGE,
           UPSTREAM_REDIRECT)
-_LIMITS = frozenset(LIMITS)
+LIMIT_SET = frozenset(LIMITS)
 
 # slogate_connections_rejected_total{reason}
 HEADER_TIMEOUT = "header_timeout"  # request headers incomplete after server.header_timeout_s
@@ -41,7 +40,6 @@ CONNECTION_REASONS = (HEADER_TIMEOUT, IDLE_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECT
 if TYPE_CHECKING:
     import aiohttp
 
-    from gateway.exchange import Exchange
     from gateway.transport.client import UpstreamResponse
 
 
@@ -51,15 +49,6 @@ def clip(value: object, n: int = MAX_STRING) -> str:
     return s if len(s) <= n else s[:n] + f"…({len(s) - n} more)"
 
 
-def hits(ctx: Exchange) -> Iterable[str]:
-    """The limits a finished request hit: its own error, and each failed attempt's."""
-    for attempt in ctx.attempts:
-        if attempt.result in _LIMITS:
-            yield attempt.result
-    if ctx.error_type in _LIMITS:
-        yield ctx.error_type
-
-
 def check_name(value: str, param: str) -> str:
     """A name the client chose (model, class) longer than MAX_STRING is refused, so neither
     an error body nor a log line ever carries more of it."""
@@ -67,22 +56,6 @@ def check_name(value: str, param: str) -> str:
         raise GatewayError(400, f"'{param}' is {len(value)} characters long; at most "
                            f"{MAX_STRING} are accepted.", STRING_TOO_LONG, param=param)
     return value
-
-
-class EventTooLarge(Exception):
-    """An upstream SSE event (or what was held before the first token) is over the limit."""
-
-    def __init__(self, size: int, limit: int, what: str = "event") -> None:
-        super().__init__(f"The upstream sent an {what} of more than {limit} bytes "
-                         f"({size} so far).")
-        self.size = size
-        self.limit = limit
-
-
-class ResponseTooLarge(Exception):
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"The upstream's response is larger than {limit} bytes.")
-        self.limit = limit
 
 
 async def read_capped(up: aiohttp.ClientResponse | UpstreamResponse, limit: int) -> bytes:

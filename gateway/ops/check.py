@@ -142,6 +142,7 @@ def to_toml(data: dict[str, Any]) -> str:
 
 def run(path: str) -> int:
     from gateway import config as config_mod
+    from gateway.apis import PROVIDERS
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("slogate: warning: %(message)s"))
@@ -149,7 +150,7 @@ def run(path: str) -> int:
     log.addHandler(handler)
     log.propagate = False
     try:
-        cfg = config_mod.load(path)
+        cfg = config_mod.load(path, providers=PROVIDERS)
     except config_mod.ConfigError as e:
         print(f"slogate: {e}", file=sys.stderr)
         return 2

@@ -16,13 +16,13 @@ from prometheus_client.exposition import choose_encoder
 import gateway
 from gateway import config as config_mod
 from gateway.admission.controller import AdmissionController
-from gateway.apis import LOCAL_ROUTES, ROUTES, chat, messages
+from gateway.apis import LOCAL_ROUTES, PROVIDERS, ROUTES, chat, messages
 from gateway.apis.base import Api, Handler
 from gateway.config import Config
 from gateway.console import Console, ConsoleRecorder
 from gateway.edge import limits, listener
 from gateway.edge.auth import AuthPolicy
-from gateway.errors import SHUTDOWN, GatewayError
+from gateway.errors import SHUTDOWN, GatewayError, ListenError
 from gateway.exchange import new_request_id
 from gateway.ops.workers import WorkerContext
 from gateway.request.finish import Finisher
@@ -55,6 +55,7 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
     """The gateway app: the runtime policies (auth, SLO, router, admission) are built here from
     the config's data. `tracing`/`otlp_metrics` default to what the config and the standard
     OTEL_* variables say (tests pass their own exporters)."""
+    config_mod.check_types(cfg, PROVIDERS)
     listener.install_log_redaction()
     # The body limit is enforced by ingress (with a clear error), not by aiohttp's reader.
     app = web.Application(client_max_size=cfg.server.max_body_bytes + 1)
@@ -396,10 +397,6 @@ def _worker_tasks(app: web.Application, worker: WorkerContext,
             asyncio.create_task(orphaned())]
 
 
-class ListenError(Exception):
-    """The listening socket could not be opened (the message says where and why)."""
-
-
 def run(config_path: str, host: str | None = None, port: int | None = None,
         workers: int | None = None, worker: str | None = None) -> int:
     """`slogate serve`: one gateway, or (workers > 1; None: the config's `[server] workers`)
@@ -407,7 +404,7 @@ def run(config_path: str, host: str | None = None, port: int | None = None,
     one of them."""
     setup_logging()
     try:
-        cfg = config_mod.load(config_path)
+        cfg = config_mod.load(config_path, providers=PROVIDERS)
     except config_mod.ConfigError as e:
         print(f"slogate: {e}", file=sys.stderr)
         return 2

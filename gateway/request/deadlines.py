@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from gateway.errors import FIRST_TOKEN, IDLE, SHUTDOWN, TOTAL, GatewayError
-from gateway.exchange import now_ns
+from gateway.timeline import now_ns
 
 if TYPE_CHECKING:
     from gateway.config import Timeouts

@@ -2,20 +2,16 @@
 metrics, spans, OTLP metrics and the JSON access-log line."""
 from __future__ import annotations
 
-import logging
 from typing import Any
-
-import orjson
 
 from gateway.errors import REJECTED
 from gateway.exchange import Exchange
 from gateway.request.slo import verdict
+from gateway.telemetry import access_log
 from gateway.telemetry.attribution import ttft_split
 from gateway.telemetry.otlp_metrics import OTLPMetrics
 from gateway.telemetry.prometheus import Metrics
 from gateway.telemetry.tracing import Tracing
-
-access_log = logging.getLogger("slogate.access")
 
 
 class Finisher:
@@ -38,15 +34,14 @@ class Finisher:
     def finish(self, ctx: Exchange, operation: str, provider: str) -> None:
         if ctx.slo is not None and ctx.outcome is not None and self._judged(ctx):
             ctx.verdict = verdict(ctx, ctx.slo)
-        ctx.ttft_split = ttft_split(ctx)  # the TTFT's stages, read by every sink below
+        split = ttft_split(ctx)  # the TTFT's stages, read by every sink below
         if self.prometheus:
-            self.metrics.observe(ctx)
+            self.metrics.observe(ctx, split)
             self.metrics.tenants.observe(ctx)
         if self.tracing.enabled:
-            self.tracing.finish(ctx, operation, provider)
+            self.tracing.finish(ctx, operation, provider, split)
         if self.otlp.enabled:
             self.otlp.record(ctx, operation, provider)
         if self.console is not None:
             self.console.record(ctx)
-        if access_log.isEnabledFor(logging.INFO):
-            access_log.info(orjson.dumps(ctx.log_record()).decode())
+        access_log.write(ctx, split)

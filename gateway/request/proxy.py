@@ -45,17 +45,19 @@ from gateway.errors import (
     ClientGone,
     GatewayError,
     RateLimited,
+    ResponseTooLarge,
     deadline_failure,
 )
-from gateway.exchange import Attempt, Exchange, now_ns
+from gateway.exchange import Attempt, Exchange
 from gateway.request.deadlines import DeadlineOverrides, Watchdog
 from gateway.request.relay import Relay
 from gateway.telemetry.tracing import CAPTURE_LIMIT
+from gateway.timeline import now_ns
 from gateway.transport import client as upstream
 from gateway.transport.client import UpstreamResponse
+from gateway.transport.connector import CONNECTING
 from gateway.transport.netdiag import describe_connect_error
 from gateway.upstream.health import HALF_OPEN
-from gateway.upstream.routing import CONNECTING
 
 if TYPE_CHECKING:
     from gateway.admission.controller import AdmissionController
@@ -520,7 +522,7 @@ class Proxy:
         else:
             try:
                 body = await limits.read_capped(up, self.cfg.server.max_response_bytes)
-            except limits.ResponseTooLarge as e:
+            except ResponseTooLarge as e:
                 raise AttemptFailed(limits.RESPONSE_TOO_LARGE, 502, str(e),
                                     limits.RESPONSE_TOO_LARGE, retryable=False) from None
         # No token stamps: a whole answer has no first token (it is measured by e2e), and an

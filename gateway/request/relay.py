@@ -22,7 +22,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.apis.sse import DEFAULT_MAX_EVENT_BYTES, SSEEvent, SSEParser
-from gateway.edge.limits import EVENT_TOO_LARGE, EventTooLarge
+from gateway.edge.limits import EVENT_TOO_LARGE
 from gateway.errors import (
     CLOSED_BEFORE_FIRST_TOKEN,
     GATEWAY_ERROR,
@@ -33,10 +33,12 @@ from gateway.errors import (
     UPSTREAM_TRUNCATED,
     AttemptFailed,
     ClientGone,
+    EventTooLarge,
     deadline_failure,
 )
-from gateway.exchange import Exchange, now_ns
+from gateway.exchange import Exchange
 from gateway.telemetry.tracing import CAPTURE_LIMIT
+from gateway.timeline import now_ns
 from gateway.transport.wire import ClientWire, CoalescedResponse, UpstreamBody, start_response
 
 if TYPE_CHECKING:

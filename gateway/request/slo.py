@@ -123,9 +123,9 @@ def verdict(ctx: Exchange, target: SLOTarget) -> str:
         if target.e2e_ms is not None:
             return MET if e2e * 1e3 <= target.e2e_ms else E2E_MISSED
         return MET if e2e * 1e3 <= target.ttft_ms else TTFT_MISSED
-    ttft = ctx.ttft_s()
+    ttft = durations.ttft_s(ctx)
     ttft_ok = ttft is not None and ttft * 1e3 <= target.ttft_ms
-    tpot = ctx.tpot_s()
+    tpot = durations.tpot_s(ctx)
     tpot_ok = tpot is None or tpot * 1e3 <= target.tpot_ms
     if ttft_ok and tpot_ok:
         if target.e2e_ms is not None and e2e is not None and e2e * 1e3 > target.e2e_ms:

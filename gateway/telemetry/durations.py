@@ -134,3 +134,27 @@ def durations_ms(ex: Exchange) -> dict[str, float]:
         if ns is not None:
             out[d.name] = round(ns / 1e6, 3)
     return out
+
+
+def ttft_s(ex: Exchange) -> float | None:
+    """Time to first token: streamed answers that produced one, nothing else."""
+    return TTFT.seconds(ex)
+
+
+def tpot_s(ex: Exchange) -> float | None:
+    """Mean time per output token after the first (§1.7): decode time / (tokens - 1)."""
+    n = ex.completion_tokens
+    decode = DECODE.seconds(ex)
+    if decode is None or not (n and n > 1):
+        return None
+    return decode / (n - 1)
+
+
+def overhead_s(ex: Exchange) -> float:
+    """Gateway code time: ingress to upstream send (less time queued for admission), plus
+    relaying every read."""
+    sent = ex.t_dispatched or ex.t_sent
+    before = (sent - ex.t_received) if sent else 0
+    if ex.t_admitted and ex.admission and ex.admission[1] == "after_queue":
+        before = (sent - ex.t_admitted) if sent else 0
+    return (before + ex.overhead_ns) / 1e9

@@ -24,7 +24,7 @@ from prometheus_client.utils import floatToGoString
 from gateway.edge import limits
 from gateway.exchange import Exchange
 from gateway.telemetry import durations as D
-from gateway.telemetry.attribution import cache_bucket, prompt_bucket
+from gateway.telemetry.attribution import TTFTSplit, cache_bucket, prompt_bucket
 from gateway.telemetry.counter import Counter, Gauge as UnlabelledGauge
 from gateway.telemetry.tenants import TenantMetrics
 from gateway.timeline import Gaps
@@ -244,7 +244,7 @@ class Metrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
-    def observe(self, ctx: Exchange) -> None:
+    def observe(self, ctx: Exchange, split: TTFTSplit | None) -> None:
         """Everything about one finished request."""
         child = self.child
         base = (ctx.backend or "none", ctx.model_label, ctx.route)
@@ -262,13 +262,12 @@ class Metrics:
             self.ttft.observe(with_slo, ttft, trace_id)
             self.ttft_by_prompt.observe((base[0], base[1], prompt_bucket(ctx), cache_bucket(ctx)),
                                         ttft)
-        split = ctx.ttft_split
         if split is not None and split.missed:
             child(self.ttft_miss, (slo_name, split.largest)).inc()
             for stage, ns in split.ns.items():
                 if ns:
                     child(self.ttft_miss_seconds, (slo_name, stage)).inc(ns / 1e9)
-        tpot = ctx.tpot_s()
+        tpot = D.tpot_s(ctx)
         if tpot is not None:
             self.tpot.observe(with_slo, tpot)
         gaps = ctx.counted_gaps()
@@ -280,7 +279,7 @@ class Metrics:
         queue = D.GATEWAY_QUEUE.seconds(ctx)
         if queue is not None:
             self.gateway_queue.observe(base, queue)
-            self.overhead.observe(base, ctx.overhead_s())
+            self.overhead.observe(base, D.overhead_s(ctx))
         headers = D.UPSTREAM_HEADERS.seconds(ctx)
         if headers is not None:
             self.headers.observe(base, headers)
@@ -305,5 +304,14 @@ class Metrics:
             child(self.cancellations, base + (ctx.cancel_phase,)).inc()
         if ctx.interruption:
             child(self.interruptions, base + (ctx.interruption,)).inc()
-        for name in limits.hits(ctx):
+        for name in _limits_hit(ctx):
             child(self.limits_exceeded, (name,)).inc()
+
+
+def _limits_hit(ctx: Exchange) -> Iterable[str]:
+    """The limits a finished request hit: its own error, and each failed attempt's."""
+    for attempt in ctx.attempts:
+        if attempt.result in limits.LIMIT_SET:
+            yield attempt.result
+    if ctx.error_type in limits.LIMIT_SET:
+        yield ctx.error_type

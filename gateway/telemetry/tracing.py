@@ -22,7 +22,7 @@ from gateway.config import TelemetryConfig
 from gateway.errors import OK
 from gateway.exchange import Exchange
 from gateway.telemetry import durations as D
-from gateway.telemetry.attribution import cache_bucket, prompt_bucket
+from gateway.telemetry.attribution import TTFTSplit, cache_bucket, prompt_bucket
 
 if TYPE_CHECKING:  # the SDK is imported only when spans are exported (~4 MiB less otherwise)
     from opentelemetry.sdk.trace import TracerProvider
@@ -152,7 +152,8 @@ class Tracing:
         span.end(end_time=epoch_ns(time.monotonic_ns()))
         return span
 
-    def finish(self, ctx: Exchange, operation: str, provider: str) -> None:
+    def finish(self, ctx: Exchange, operation: str, provider: str,
+               split: TTFTSplit | None) -> None:
         spans: RequestSpans | None = ctx.trace
         if spans is None:
             return
@@ -203,7 +204,6 @@ class Tracing:
         first_chunk = D.FIRST_CHUNK.seconds(ctx)
         if first_chunk is not None:
             attrs["gen_ai.response.time_to_first_chunk"] = first_chunk
-        split = ctx.ttft_split
         if split is not None:
             # The TTFT's stages under the dashboard's names (they add up to slogate.ttft_ms),
             # and where each number came from: measured, provider or inferred.
@@ -213,7 +213,7 @@ class Tracing:
             attrs["slogate.ttft.largest_stage"] = split.largest
             if split.missed:
                 attrs["slogate.ttft.miss_stage"] = split.largest
-        tpot = ctx.tpot_s()
+        tpot = D.tpot_s(ctx)
         if tpot is not None:
             attrs["slogate.tpot_ms"] = round(tpot * 1e3, 3)
         if ctx.outcome != OK:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable, Collection, Iterator
-from contextvars import ContextVar
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -15,41 +13,10 @@ from yarl import URL
 from gateway.apis import provider_for
 from gateway.config import BackendConfig, BreakerPolicy
 from gateway.errors import GatewayError
-from gateway.exchange import now_ns
 from gateway.transport.client import Target
+from gateway.transport.connector import TimedConnector
 from gateway.upstream import health
 from gateway.upstream.health import Breaker
-
-if TYPE_CHECKING:
-    from aiohttp.client_proto import ResponseHandler
-    from aiohttp.client_reqrep import ClientRequest
-    from aiohttp.tracing import Trace
-
-    from gateway.exchange import Exchange
-
-
-# The exchange whose upstream request is being sent, set only around `upstream.send` (the
-# connector runs in the request's own task, so it sees it; nothing else does).
-CONNECTING: ContextVar[Exchange | None] = ContextVar("slogate_connecting", default=None)
-
-
-class TimedConnector(aiohttp.TCPConnector):
-    """Stamps a new upstream connection (pool reuse stamps nothing) on the exchange in
-    `CONNECTING`: where aiohttp's TraceConfig `on_connection_create_start/end` hooks fire, but
-    without the Trace objects, signal sends and URL copies aiohttp then makes on every request
-    (~20 µs per request for two hooks that rarely fire). `_create_connection` is the
-    connector's own extension point (every connector class implements it); tests/test_wire.py
-    pins it."""
-
-    async def _create_connection(self, req: ClientRequest, traces: list[Trace],
-                                 timeout: aiohttp.ClientTimeout) -> ResponseHandler:
-        ex = CONNECTING.get()
-        if ex is not None:
-            ex.t_connect_start = now_ns()
-        proto = await super()._create_connection(req, traces, timeout)
-        if ex is not None:
-            ex.t_connect_end = now_ns()
-        return proto
 
 
 class Replica:
