@@ -83,7 +83,9 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
@@ -110,8 +112,13 @@ DEFAULT_SIM_CMD = ("{python} -m gateway sim --host {host} --port {port} --max-ba
 DEFAULT_GATEWAY_CMD = "{python} -m gateway serve --config {config} --host {host} --port {port}"
 MODES = ("passthrough", "admission")
 
-CLASSES = {
-    # name: (TTFT ms, TPOT ms, priority, share of traffic)
+# An SLO class: (TTFT ms, TPOT ms, priority, share of traffic). The load generator gets them
+# through JSON, as lists of those four numbers.
+SloClass = tuple[float, float, int, float]
+# What judging a request needs of its class: (TTFT ms, TPOT ms).
+SloTargets = dict[str, tuple[float, float]]
+
+CLASSES: dict[str, SloClass] = {
     "interactive": (1000.0, 50.0, 10, 0.7),
     "batch": (30000.0, 200.0, 0, 0.3),
 }
@@ -127,7 +134,8 @@ PCTS = (50, 90, 99)
 # Workload
 # ---------------------------------------------------------------------------------------------
 
-def draw_request(rng: random.Random, classes: dict[str, tuple]) -> dict[str, Any]:
+def draw_request(rng: random.Random,
+                 classes: Mapping[str, Sequence[float]]) -> dict[str, Any]:
     u = rng.random()
     acc = 0.0
     cls = next(iter(classes))
@@ -143,7 +151,7 @@ def draw_request(rng: random.Random, classes: dict[str, tuple]) -> dict[str, Any
 
 
 def make_schedule(rate: float, segments: list[float], seed: int, probe_fraction: float,
-                  classes: dict[str, tuple]) -> list[dict[str, Any]]:
+                  classes: Mapping[str, Sequence[float]]) -> list[dict[str, Any]]:
     """Poisson arrivals conditioned on their count in each segment (warm-up, window, tail):
     round(rate * length) arrivals at sorted uniform times in each, so the measured window gets
     exactly the offered rate. [{i, t, cls, prompt, out, probe}], t in seconds from the start."""
@@ -224,10 +232,10 @@ async def _client_run(spec: dict[str, Any]) -> dict[str, Any]:
         skip_auto_headers=("User-Agent", "Accept-Encoding"))
     url = spec["url"]
     records: list[dict[str, Any]] = []
-    open_tasks: dict[asyncio.Task, dict[str, Any]] = {}
-    mine: set[asyncio.Task] = set()  # arrival and probe tasks not finished yet
+    open_tasks: dict[asyncio.Task[None], dict[str, Any]] = {}
+    mine: set[asyncio.Task[None]] = set()  # arrival and probe tasks not finished yet
 
-    def spawn(coro) -> None:
+    def spawn(coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
         mine.add(task)
         task.add_done_callback(mine.discard)
@@ -244,6 +252,7 @@ async def _client_run(spec: dict[str, Any]) -> dict[str, Any]:
                                "status": None, "n": 0, "error": None}
         records.append(rec)
         task = asyncio.current_task()
+        assert task is not None  # fire() always runs as a task (at, probe_later, a worker)
         open_tasks[task] = rec
         body = orjson.dumps({"model": "sim", "stream": True, "max_tokens": n_out,
                              "messages": [{"role": "user",
@@ -324,7 +333,7 @@ async def _client_run(spec: dict[str, Any]) -> dict[str, Any]:
         await asyncio.sleep(max(0.0, t_at - clock()))
         await fire(req, t_at)
 
-    def spawn_at(req: dict[str, Any]) -> asyncio.Task:
+    def spawn_at(req: dict[str, Any]) -> asyncio.Task[None]:
         return asyncio.ensure_future(at(req))
 
     samples: list[dict[str, Any]] = []
@@ -343,7 +352,7 @@ async def _client_run(spec: dict[str, Any]) -> dict[str, Any]:
                     continue
                 if key == "admission":
                     if d.get("enabled"):
-                        rep = next(iter(d.get("replicas", {}).values()), {})
+                        rep: dict[str, Any] = next(iter(d.get("replicas", {}).values()), {})
                         s["queue"] = d["queue"]["requests"]
                         s["queue_tokens"] = d["queue"]["estimated_tokens"]
                         s["queue_by_class"] = d["queue"]["by_class"]
@@ -389,7 +398,10 @@ async def _client_run(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-async def _closed_loop(spec, fire, clock, t0, records) -> dict[str, Any]:
+async def _closed_loop(spec: dict[str, Any],
+                       fire: Callable[[dict[str, Any], float], Awaitable[None]],
+                       clock: Callable[[], float], t0: float,
+                       records: list[dict[str, Any]]) -> dict[str, Any]:
     """`workers` workers, one request after another, the benchmark's mix; for the capacity."""
     stop = False
     warm, window = spec["warmup"], spec["window"]
@@ -435,7 +447,7 @@ def client_main(spec_path: str, out_path: str) -> int:
 class BenchProcs(Procs):
     """overhead.py's process set, watching this benchmark's two gateways as well as the sim."""
 
-    WATCHED = ("sim", *MODES)
+    WATCHED: tuple[str, ...] = ("sim", *MODES)
 
     def check_alive(self) -> None:
         for name, p in self.procs:
@@ -454,7 +466,7 @@ def run_client(procs: Procs, tmp: Path, tag: str, spec: dict[str, Any],
 # Analysis
 # ---------------------------------------------------------------------------------------------
 
-def judge(rec: dict[str, Any], slo: dict[str, tuple]) -> dict[str, Any]:
+def judge(rec: dict[str, Any], slo: SloTargets) -> dict[str, Any]:
     """TTFT/TPOT (s) and whether the request met its class's SLO."""
     ttft_ms, tpot_ms = slo[rec["cls"]][0], slo[rec["cls"]][1]
     out: dict[str, Any] = {"ttft": None, "tpot": None, "met": False}
@@ -479,10 +491,13 @@ def _lat(values: list[float]) -> dict[str, Any]:
 
 
 def summarize(run: dict[str, Any], warmup: float, window: float,
-              slo: dict[str, tuple]) -> dict[str, Any]:
+              slo: SloTargets) -> dict[str, Any]:
     """Rates in the window [warmup, warmup + window) (seconds from the load generator's t0)."""
     w0, w1 = warmup, warmup + window
-    inw = lambda t: t is not None and w0 <= t < w1  # noqa: E731
+
+    def inw(t: float | None) -> bool:
+        return t is not None and w0 <= t < w1
+
     recs = run["records"]
     main = [r for r in recs if r["probe_of"] is None]
     probes = [r for r in recs if r["probe_of"] is not None]
@@ -506,7 +521,7 @@ def summarize(run: dict[str, Any], warmup: float, window: float,
         late_open = sum(1 for r in rs if inw(r["t_sched"]) and "t_first" not in r
                         and r.get("cancelled") == "open_at_end" and r["status"] in (None, 200)
                         and run.get("t_end_window", w1) - r["t_send"] > slo[r["cls"]][0] / 1e3)
-        other = Counter()
+        other: Counter[str] = Counter()
         for r in rs:
             if not inw(r.get("t_end") or r.get("t_headers")):
                 continue
@@ -761,7 +776,7 @@ def render(results: dict[str, Any]) -> str:
             dec = ", ".join(f"{k.replace('|', ' ', 1).replace('|', '/')} {n:.0f}"
                             for k, n in d.get("decisions", {}).items())
             snap = s.get("admin_end_of_window") or {}
-            rep = next(iter((snap.get("replicas") or {}).values()), {})
+            rep: dict[str, Any] = next(iter((snap.get("replicas") or {}).values()), {})
             tm, pm = rep.get("ttft_model", {}), rep.get("tpot_model", {})
             q = s["queue"]
             lines.append(
@@ -970,7 +985,7 @@ def main(argv: list[str] | None = None) -> int:
         "points": [],
     }
 
-    def on_signal(signum, frame):
+    def on_signal(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, on_signal)
 
@@ -1128,7 +1143,7 @@ FAIR_SCENARIOS: dict[str, dict[str, Any]] = {
 }
 
 
-def fairness_toml(host: str, port: int, sim_port: int, classes: dict[str, tuple],
+def fairness_toml(host: str, port: int, sim_port: int, classes: dict[str, SloClass],
                   min_share: dict[str, float], quota_a_rpm: int | None) -> str:
     out = (f'[server]\nhost = "{host}"\nport = {port}\naccess_log = false\n\n'
            '[admission]\nenabled = true\n\n')
@@ -1206,7 +1221,7 @@ def fairness_main(args: argparse.Namespace) -> int:
             wait_quiet(f"{sim_base}/sim/stats", None)
         results["capacity_rps"] = capacity
         print(f"capacity {capacity:.2f} req/s (closed loop, batch {args.max_batch})", flush=True)
-        runs: list[tuple[str, str, dict[str, tuple], float]] = []
+        runs: list[tuple[str, str, dict[str, SloClass], float]] = []
         only = set(os.environ.get("BENCH_FAIR_SCENARIOS", ",".join(FAIR_SCENARIOS)).split(","))
         for name, sc in FAIR_SCENARIOS.items():
             if name not in only:

@@ -50,8 +50,10 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import Any, TypedDict
 
 REPO = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -108,7 +110,8 @@ def proc_rss_kib(pid: int) -> int | None:
     return None
 
 
-def percentiles(values: list[float], pcts=PCTS) -> dict[str, float | None]:
+def percentiles(values: list[float],
+                pcts: tuple[float, ...] = PCTS) -> dict[str, float | None]:
     """Linear-interpolated percentiles, plus mean, max and count. Values in seconds → ms."""
     n = len(values)
     out: dict[str, float | None] = {"n": n}
@@ -416,13 +419,14 @@ def client_main(spec_path: str, out_path: str) -> int:
 def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]  # (host, port) for AF_INET
+        return port
 
 
 NICE = 0  # set from --nice before any child starts
 
 
-def _preexec(cpus: set[int] | None):
+def _preexec(cpus: set[int] | None) -> Callable[[], None]:
     nice = NICE
 
     def fn() -> None:
@@ -442,10 +446,10 @@ class Procs:
 
     def __init__(self, logdir: Path) -> None:
         self.logdir = logdir
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
 
     def start(self, name: str, argv: list[str], cpus: set[int] | None,
-              env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.Popen:
+              env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.Popen[bytes]:
         with open(self.logdir / f"{name}.log", "ab") as log:  # the child keeps its own copy
             p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, cwd=cwd, env=env,
@@ -538,7 +542,8 @@ def fmt_cpus(c: set[int] | None) -> str:
 
 
 def run_json_process(procs: Procs, tmp: Path, tag: str, module: str, spec: dict[str, Any],
-                     cpus: set[int] | None, limit_s: float, during=None) -> dict[str, Any]:
+                     cpus: set[int] | None, limit_s: float,
+                     during: Callable[[], None] | None = None) -> dict[str, Any]:
     """Run `python -m module --client-spec SPEC --client-out OUT` (a load generator) to the
     end, within `limit_s`, while the benchmark's servers stay alive; return OUT's JSON."""
     spec_path, out_path = tmp / f"spec-{tag}.json", tmp / f"out-{tag}.json"
@@ -560,7 +565,7 @@ def run_json_process(procs: Procs, tmp: Path, tag: str, module: str, spec: dict[
         if p.returncode != 0 or not out_path.exists():
             raise RuntimeError(f"load generator {tag} failed ({p.returncode}):\n"
                                f"{procs.tail('client-' + tag)}")
-        return json.loads(out_path.read_text())
+        return load_json_object(out_path)
     finally:
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -568,8 +573,16 @@ def run_json_process(procs: Procs, tmp: Path, tag: str, module: str, spec: dict[
             p.wait()
 
 
+def load_json_object(path: Path) -> dict[str, Any]:
+    """A load generator's output: one JSON object (RuntimeError if it is anything else)."""
+    obj = json.loads(path.read_text())
+    if not isinstance(obj, dict):
+        raise RuntimeError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
 def run_client(procs: Procs, tmp: Path, spec: dict[str, Any], cpus: set[int] | None,
-               during=None) -> dict[str, Any]:
+               during: Callable[[], None] | None = None) -> dict[str, Any]:
     return run_json_process(procs, tmp, f"{spec['path']}-{spec['streams']}",
                             "benchmarks.overhead", spec, cpus,
                             spec["warmup"] + spec["duration"] + spec["grace"] + 30, during)
@@ -608,7 +621,17 @@ def overhead(direct: dict[str, Any], gw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def summarize_collapsed(path: Path, top: int = 20) -> dict[str, list[tuple[str, float]]]:
+class ProfileSummary(TypedDict):
+    """Top frames of a py-spy profile: (frame, share of samples) pairs, most first."""
+
+    samples: int
+    self: list[tuple[str, float]]
+    self_by_function: list[tuple[str, float]]
+    self_by_group: list[tuple[str, float]]
+    inclusive: list[tuple[str, float]]
+
+
+def summarize_collapsed(path: Path, top: int = 20) -> ProfileSummary:
     """Top frames by self and by inclusive share of samples from a py-spy `--format raw` file
     (collapsed stacks: `frame;frame;... count`)."""
     self_c: Counter[str] = Counter()
@@ -828,7 +851,7 @@ http {{
 
 
 def start_nginx(procs: Procs, tmp: Path, host: str, port: int, sim_port: int,
-                cpus: set[int] | None, conns: int) -> tuple[subprocess.Popen, int]:
+                cpus: set[int] | None, conns: int) -> tuple[subprocess.Popen[bytes], int]:
     """nginx (one worker, proxy_buffering off) in front of the simulator: (master, worker pid)."""
     binary = shutil.which("nginx") or "/usr/sbin/nginx"
     if not Path(binary).exists():
@@ -1046,7 +1069,7 @@ def main(argv: list[str] | None = None) -> int:
         "points": [],
     }
 
-    def on_signal(signum, frame):  # make SIGTERM run the cleanup too
+    def on_signal(signum: int, frame: FrameType | None) -> None:  # SIGTERM runs the cleanup too
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, on_signal)
 
@@ -1213,7 +1236,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def profile_point(args, procs: Procs, tmp: Path, spec: dict[str, Any],
+def profile_point(args: argparse.Namespace, procs: Procs, tmp: Path, spec: dict[str, Any],
                   client_cpus: set[int] | None, gw_pid: int) -> dict[str, Any]:
     """An extra gateway pass with py-spy attached (not part of the measured numbers): once for
     the flame graph, once in raw collapsed-stack format for the top-frames summary."""
@@ -1233,9 +1256,9 @@ def profile_point(args, procs: Procs, tmp: Path, spec: dict[str, Any],
     for fmt_name, dest in (("flamegraph", svg), ("raw", raw)):
         argv = [pyspy, "record", "--pid", str(gw_pid), "--duration", str(secs), "--rate", "250",
                 "--format", fmt_name, "-o", str(dest), *native]
-        holder: dict[str, subprocess.Popen] = {}
+        holder: dict[str, subprocess.Popen[bytes]] = {}
 
-        def during(holder: dict[str, subprocess.Popen] = holder, fmt_name: str = fmt_name,
+        def during(holder: dict[str, subprocess.Popen[bytes]] = holder, fmt_name: str = fmt_name,
                    argv: list[str] = argv) -> None:
             time.sleep(spec["warmup"])
             holder["p"] = procs.start(f"py-spy-{fmt_name}", argv, client_cpus)

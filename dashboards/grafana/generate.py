@@ -123,9 +123,10 @@ def trace_links() -> list[dict[str, Any]]:
 def timeseries(title: str, description: str, tgts: list[dict[str, Any]], unit: str, *,
                w: int = 12, h: int = 8, stack: bool = False, fill: int = 10,
                minimum: float | None = 0, maximum: float | None = None,
-               lines: tuple[tuple[float, str], ...] = (), links: list | None = None,
+               lines: tuple[tuple[float, str], ...] = (),
+               links: list[dict[str, Any]] | None = None,
                draw: str = "line", table_legend: bool = False,
-               overrides: list | None = None) -> dict[str, Any]:
+               overrides: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     custom: dict[str, Any] = {
         "drawStyle": draw, "lineWidth": 1, "fillOpacity": 70 if stack else fill,
         "gradientMode": "none", "showPoints": "never", "pointSize": 4, "spanNulls": False,
@@ -154,7 +155,8 @@ def timeseries(title: str, description: str, tgts: list[dict[str, Any]], unit: s
 
 def stat(title: str, description: str, tgts: list[dict[str, Any]], unit: str,
          steps: tuple[tuple[float | None, str], ...], *, w: int = 6, h: int = 5,
-         decimals: int | None = None, mappings: list | None = None) -> dict[str, Any]:
+         decimals: int | None = None,
+         mappings: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     defaults: dict[str, Any] = {"unit": unit, "color": {"mode": "thresholds"},
                                 "thresholds": thresholds(*steps), "mappings": mappings or []}
     if decimals is not None:
@@ -194,7 +196,8 @@ def heatmap(title: str, description: str, tgts: list[dict[str, Any]], *, w: int 
 
 
 def state_timeline(title: str, description: str, tgts: list[dict[str, Any]],
-                   mappings: list, *, w: int = 12, h: int = 8) -> dict[str, Any]:
+                   mappings: list[dict[str, Any]], *, w: int = 12,
+                   h: int = 8) -> dict[str, Any]:
     return {
         "type": "state-timeline", "title": title, "description": description, "id": next(_ids),
         "datasource": PROM, "targets": tgts, "_w": w, "_h": h,
@@ -312,7 +315,9 @@ def latency_row() -> dict[str, Any]:
         heatmap("Time to first token: distribution",
                 "Requests per TTFT bucket over time (all selected backends, models and "
                 "classes). Exemplars, where the gateway exposes them, link to their trace.",
-                targets(target(f"sum by (le) (increase({sel('slogate_time_to_first_token_seconds_bucket', BMS)}[{RI}]))",
+                targets(target("sum by (le) (increase("
+                               f"{sel('slogate_time_to_first_token_seconds_bucket', BMS)}"
+                               f"[{RI}]))",
                                "{{le}}", fmt="heatmap", exemplar=True)),
                 w=24),
     ])
@@ -642,7 +647,8 @@ def variables() -> list[dict[str, Any]]:
          "refresh": 1, "regex": "", "hide": 0, "includeAll": False, "multi": False,
          "options": []},
         query_var("job", "Job", "label_values(slogate_requests_in_flight, job)"),
-        query_var("backend", "Backend", 'label_values(slogate_requests_total{job=~"$job"}, backend)'),
+        query_var("backend", "Backend",
+                  'label_values(slogate_requests_total{job=~"$job"}, backend)'),
         query_var("model", "Model",
                   'label_values(slogate_requests_total{job=~"$job", backend=~"$backend"}, model)'),
         query_var("slo_class", "SLO class",
