@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 DURATION ?=
 STAMP := $(VENV)/.slogate-installed
 
-.PHONY: demo lint test bench bench-slow bench-goodput bench-workers deploy-generate soak serve sim system-deps clean
+.PHONY: demo lint test test-fast bench bench-slow bench-goodput bench-workers deploy-generate soak serve sim system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ test: lint $(STAMP) system-deps dashboards/schema-check/node_modules
 	bash scripts/install-llamacpp.sh $(PY)
 	bash scripts/install-kustomize.sh $(PY)
 	$(PY) -m pytest
+
+# Unit and integration tests only: no Debian services, no lint (tests/system/ needs them).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests/unit tests/integration
 
 # Streaming overhead, gateway and nginx vs direct (BENCH_ARGS=--quick for a smoke run;
 # BENCH_ARGS="--baseline main --reps 3" adds main's gateway, interleaved).

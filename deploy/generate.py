@@ -7,7 +7,7 @@
   (kustomize reads generator files only from inside the kustomization's own folder).
 
 Run it after changing either source: `python deploy/generate.py`. `--check` exits 1 when the
-files on disk differ from what it would write (tests/test_deploy.py runs that).
+files on disk differ from what it would write (tests/system/test_deploy.py runs that).
 """
 from __future__ import annotations
 

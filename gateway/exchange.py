@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.apis.base import EventInfo
 from gateway.timeline import BATCH, Gaps, now_ns
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from aiohttp import web
 
     from gateway.apis.base import Api, Provider
-    from gateway.config import Timeouts
+    from gateway.config import GatewayKey, SLOTarget, TenantPolicy, Timeouts
     from gateway.errors import AttemptFailed
     from gateway.transport.client import UpstreamResponse
     from gateway.upstream.routing import Replica
@@ -34,6 +34,18 @@ def new_request_id() -> str:
     b[8] = b[8] & 0x3F | 0x80  # RFC 4122 variant
     h = b.hex()
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+class Lease(Protocol):
+    """Admission's claim on a replica for one request (admission.controller.Ticket)."""
+
+    @property
+    def replica(self) -> Replica: ...
+    @property
+    def model(self) -> str: ...
+    def first_token(self) -> None: ...
+    def move(self, replica: Replica) -> None: ...
+    def finish(self, ctx: Exchange) -> None: ...
 
 
 @dataclass(eq=False)
@@ -128,7 +140,7 @@ class Exchange:
         self.provider_prefill_s: float | None = None
         self.provider_decode_s: float | None = None
         self.provider_prefill_inferred = False  # computed from other reported numbers
-        self.slo: Any = None  # slo.SLOTarget
+        self.slo: SLOTarget | None = None
         self.verdict: str | None = None
         self.model_label = "other"  # bounded model label for metrics
         self.interruption: str | None = None  # why a committed stream ended with an error event
@@ -137,7 +149,7 @@ class Exchange:
         self.server_port: int | None = None
         self.tenant: str | None = None  # from the gateway key (logs)
         self.tenant_label = "other"  # bounded metric label: a configured tenant, or `other`
-        self.policy: Any = None  # config.TenantPolicy the request runs under
+        self.policy: TenantPolicy | None = None  # the request runs under it
         self.served_model: str | None = None  # the client-visible model an attempt served
         self.admission: tuple[str, str] | None = None  # (decision, reason)
         self.t_queued = 0  # entered the admission queue (0: never queued)
@@ -148,11 +160,11 @@ class Exchange:
         self.on_first_token: Callable[[], None] | None = None  # admission, at the first token
         self.api: Api | None = None  # the client's API adapter (from the route table)
         self.operation = "chat"
-        self.key: Any = None  # auth.GatewayKey, None in open mode
+        self.key: GatewayKey | None = None  # None in open mode
         self.body = b""  # the client's request body, as received
         self.parsed: dict[str, Any] = {}
         self.attempt: Attempt | None = None  # the current upstream try
-        self.ticket: Any = None  # admission.controller.Ticket while admitted
+        self.ticket: Lease | None = None  # while admitted
         self.response: web.StreamResponse | None = None  # the client response, once committed
         self.retry_budget_at = 0  # no new attempt starts after this (monotonic ns)
         self.last_failure: AttemptFailed | None = None  # of the latest failed attempt
@@ -233,6 +245,18 @@ class Exchange:
             self.provider_prefill_s = timing.prefill_s
             self.provider_decode_s = timing.decode_s
             self.provider_prefill_inferred = timing.prefill_inferred
+
+    @property
+    def target(self) -> SLOTarget:
+        """The SLO target, for the phases after classify (which always sets it)."""
+        assert self.slo is not None, "read before classify"
+        return self.slo
+
+    @property
+    def tenant_policy(self) -> TenantPolicy:
+        """The tenant's policy, for the phases after authenticate (which always sets it)."""
+        assert self.policy is not None, "read before authenticate"
+        return self.policy
 
     # -- where it is, and its end ----------------------------------------------------------------
     def phase(self) -> str:

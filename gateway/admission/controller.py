@@ -33,6 +33,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.admission import engine_metrics
@@ -58,6 +59,24 @@ ADMITTED, QUEUED, REJECTED = "admitted", "queued", "rejected"
 TIE_BAND = 0.05  # predictions within 5 % of the best are equally good: pick one at random
 PROBE_INTERVAL_S = 1.0
 URGENT = 0.25  # a waiter in the last quarter of its TTFT budget may pass more important ones
+
+
+@dataclass(frozen=True, slots=True)
+class LoadView:
+    """What the console shows of admission's view of one replica."""
+    predicted_ttft_ms: float  # for a new request of the usual size, now
+    engine_waiting: float  # the engine's own queue, when its /metrics are scraped
+    cap: int
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionView:
+    """The admission queue for the console: its size and who waits in it."""
+    queued: int
+    estimated_tokens: int
+    by_class: dict[str, int]
+    by_tenant: dict[str, int]  # the key's tenant, "(no key)" in open mode
+    replicas: dict[str, LoadView]
 
 
 class ReplicaLoad:
@@ -113,6 +132,11 @@ class ReplicaLoad:
 
     def decoding_now(self) -> float:
         return max(float(self.decoding), self.engine_running)
+
+    def view(self) -> LoadView:
+        ttft = self.est.predict_ttft(self.work_ahead() + self.avg_tokens, self.decoding_now(),
+                                     self.requests_ahead() + 1)
+        return LoadView(round(ttft * 1e3, 1), self.engine_waiting, self.cap)
 
     def min_tpot_target_s(self) -> float:
         return min(self.tpot_targets) if self.tpot_targets else math.inf
@@ -375,7 +399,7 @@ class AdmissionController:
     async def _admit(self, ctx: Exchange, family: str, model: str, loads: list[ReplicaLoad],
                      tenant: str, policy: TenantPolicy, tokens: float, body_bytes: int,
                      prefix: bytes | None, res: Reservation) -> Ticket:
-        slo = ctx.slo
+        slo = ctx.target
         if len(self.fair):
             # Others are waiting: capacity that frees goes to the flow whose turn it is.
             ticket = None
@@ -428,7 +452,7 @@ class AdmissionController:
                    body_bytes: int, prefix: bytes | None,
                    model: str = "") -> tuple[Ticket | None, str]:
         """Admit now if a replica can meet both targets; else (None, why)."""
-        slo = ctx.slo
+        slo = ctx.target
         waited_s = (self.clock() - ctx.t_received) / 1e9
         ttft_budget = slo.ttft_ms / 1e3 - waited_s
         tpot_target = slo.tpot_ms / 1e3
@@ -489,7 +513,7 @@ class AdmissionController:
                     and now - load.last_probe >= PROBE_INTERVAL_S and not len(self.fair)):
                 load.last_probe = now
                 est = load.est
-                return Ticket(self, load, tokens, body_bytes, ctx.slo.cls.tpot_ms / 1e3,
+                return Ticket(self, load, tokens, body_bytes, ctx.target.cls.tpot_ms / 1e3,
                               est.predict_ttft(tokens, 0.0), False, model or (ctx.model or ""),
                               ctx.tenant_label)
         return None
@@ -497,7 +521,7 @@ class AdmissionController:
     def _urgent(self, waiter: Waiter) -> bool:
         """Near its deadline: strict priority would starve lower bands under sustained
         overload, so their last chance comes before the more important ones' next."""
-        slo = waiter.ctx.slo
+        slo = waiter.ctx.target
         left_s = (waiter.deadline - self.clock()) / 1e9
         return bool(left_s < URGENT * slo.ttft_ms / 1e3)
 
@@ -536,7 +560,7 @@ class AdmissionController:
                         why: str, ahead_tokens: float = 0.0, wait_s: float = 0.0) -> None:
         """Reject now (429 ttft_infeasible) if even the best case misses the TTFT deadline:
         the work ahead of it prefilled first, after `wait_s` for its turn at a slot."""
-        budget = ctx.slo.ttft_ms / 1e3 - (self.clock() - ctx.t_received) / 1e9
+        budget = ctx.target.ttft_ms / 1e3 - (self.clock() - ctx.t_received) / 1e9
         per_replica_ahead = ahead_tokens / max(1, len(loads))
         # The stated error pads the best case; the wait for a turn is added to the point
         # prediction only (padding both would shed requests that would have made it).
@@ -559,8 +583,8 @@ class AdmissionController:
         self._decided(ctx, REJECTED, reason)
         self.metrics.tenants.shed(ctx.tenant_label, reason)
         return GatewayError(429, f"Request not admitted ({reason}): its SLO class "
-                            f"'{ctx.slo.name}' (TTFT {ctx.slo.ttft_ms:g} ms, TPOT "
-                            f"{ctx.slo.tpot_ms:g} ms) cannot be met now; retry later.",
+                            f"'{ctx.target.name}' (TTFT {ctx.target.ttft_ms:g} ms, TPOT "
+                            f"{ctx.target.tpot_ms:g} ms) cannot be met now; retry later.",
                             f"slo_{reason}", outcome="rejected",
                             headers={"Retry-After": str(math.ceil(retry_after_s)),
                                      "x-slogate-admission": reason})
@@ -576,7 +600,7 @@ class AdmissionController:
 
     def _decided(self, ctx: Exchange, decision: str, reason: str) -> None:
         ctx.admission = (decision, reason)
-        self.metrics.child(self.metrics.admission, (ctx.model_label, ctx.route, ctx.slo.name,
+        self.metrics.child(self.metrics.admission, (ctx.model_label, ctx.route, ctx.target.name,
                                                     decision, reason)).inc()
 
     # -- the queue ---------------------------------------------------------------------------
@@ -591,8 +615,8 @@ class AdmissionController:
             self.fair.remove(waiter)
         self.queued_tokens -= waiter.tokens
         self.quotas.queue_leave(waiter.tenant)
-        self.depth[waiter.ctx.slo.name] -= 1
-        self._set_depth(waiter.ctx.slo.name)
+        self.depth[waiter.ctx.target.name] -= 1
+        self._set_depth(waiter.ctx.target.name)
 
     def _set_depth(self, slo_class: str) -> None:
         self.metrics.queue_depth.labels(slo_class).set(self.depth[slo_class])
@@ -706,12 +730,20 @@ class AdmissionController:
         if ticket.shared_slot and self.shared is not None:
             self.shared.release(ticket.replica.name)
 
+    def view(self) -> AdmissionView:
+        waiting = self.queue
+        return AdmissionView(
+            len(waiting), round(self.queued_tokens),
+            dict(Counter(w.ctx.target.name for w in waiting)),
+            dict(Counter(w.ctx.tenant or "(no key)" for w in waiting)),
+            {name: load.view() for name, load in self.loads.items()})
+
     def snapshot(self) -> dict[str, Any]:
         waiting = self.queue
         return {
             "enabled": True,
             "queue": {"requests": len(waiting), "estimated_tokens": round(self.queued_tokens),
-                      "by_class": dict(Counter(w.ctx.slo.name for w in waiting)),
+                      "by_class": dict(Counter(w.ctx.target.name for w in waiting)),
                       "by_tenant": dict(Counter(w.tenant for w in waiting)),
                       "fair": self.fair.snapshot()},
             "tenants": {"tokens_per_byte": self.calibration.snapshot(),

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from aiohttp import web
 
     from gateway.apis.sse import SSEEvent
+    from gateway.config import BackendConfig
     from gateway.errors import RateLimits
 
 
@@ -134,7 +135,7 @@ class Api(ABC):
     # client route -> (path under the backend's base_url, gen_ai operation name)
     routes: Mapping[str, tuple[str, str]]
 
-    def prepare(self, body: dict[str, Any], route: str, stream: bool, backend: Any,
+    def prepare(self, body: dict[str, Any], route: str, stream: bool, backend: BackendConfig,
                 provider: Provider) -> Prepared:
         """Adjust `body` (a shallow copy of the client's) for this backend in place."""
         return Prepared(changed=False)

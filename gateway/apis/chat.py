@@ -29,6 +29,7 @@ from gateway.apis.base import (
 
 if TYPE_CHECKING:
     from gateway.apis.sse import SSEEvent
+    from gateway.config import BackendConfig
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 _CONTENT = b'"delta":{"content":"'  # the text of the common chunk, in compact JSON
@@ -127,7 +128,7 @@ class ChatCompletions(Api):
     routes = {CHAT: ("/chat/completions", "chat"),
               COMPLETIONS: ("/completions", "text_completion")}
 
-    def prepare(self, body: dict[str, Any], route: str, stream: bool, backend: Any,
+    def prepare(self, body: dict[str, Any], route: str, stream: bool, backend: BackendConfig,
                 provider: Provider) -> Prepared:
         """- `max_completion_tokens` becomes `max_tokens` for a backend with
           `rename_max_completion_tokens` (llama.cpp's server ignores the newer name).
@@ -135,7 +136,7 @@ class ChatCompletions(Api):
           not and the backend would not send it anyway, and strip the usage-only chunk this
           causes, so the client sees exactly what it would have seen without the gateway."""
         changed = False
-        if getattr(backend, "rename_max_completion_tokens", False):
+        if backend.rename_max_completion_tokens:
             changed = rename_max_completion_tokens(body)
         if stream and _needs_usage_injection(body, provider):
             opts = body.get("stream_options")

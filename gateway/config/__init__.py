@@ -17,6 +17,7 @@ from gateway.config.model import (
     ServerConfig,
     SLOClass,
     SLOConfig,
+    SLOTarget,
     TelemetryConfig,
     TenantPolicy,
     Timeouts,
@@ -26,6 +27,6 @@ from gateway.errors import ConfigError
 __all__ = [
     "DEFAULT_CLASS", "OPEN_POLICY", "OTHER_ENV", "OTLP_PROTOCOLS", "AdminKey", "AdmissionConfig",
     "AuthConfig", "BackendConfig", "BreakerPolicy", "Config", "ConfigError", "GatewayKey",
-    "Quotas", "RetryPolicy", "SLOClass", "SLOConfig", "ServerConfig", "TelemetryConfig",
-    "TenantPolicy", "Timeouts", "check_types", "load", "parse",
+    "Quotas", "RetryPolicy", "SLOClass", "SLOConfig", "SLOTarget", "ServerConfig",
+    "TelemetryConfig", "TenantPolicy", "Timeouts", "check_types", "load", "parse",
 ]

@@ -219,6 +219,20 @@ DEFAULT_CLASS = SLOClass(name="default", ttft_ms=1000.0, tpot_ms=100.0)
 
 
 @dataclass(frozen=True)
+class SLOTarget:
+    """The targets one request is judged against: its class, possibly tightened or loosened by
+    request headers within the configured bounds."""
+    cls: SLOClass
+    ttft_ms: float
+    tpot_ms: float
+    e2e_ms: float | None
+
+    @property
+    def name(self) -> str:
+        return self.cls.name
+
+
+@dataclass(frozen=True)
 class SLOConfig:
     classes: Mapping[str, SLOClass] = field(
         default_factory=lambda: {DEFAULT_CLASS.name: DEFAULT_CLASS})

@@ -5,6 +5,6 @@
 and pushes a snapshot once a second over SSE.
 """
 from gateway.console.recorder import ConsoleRecorder, stages
-from gateway.console.web import Console, live_state
+from gateway.console.web import Console, Live, live_state
 
-__all__ = ["Console", "ConsoleRecorder", "live_state", "stages"]
+__all__ = ["Console", "ConsoleRecorder", "Live", "live_state", "stages"]

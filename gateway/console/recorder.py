@@ -24,7 +24,10 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gateway.exchange import Exchange
 
 # The goodput objective the shipped alert rules use (slogate:slo_objective:ratio).
 OBJECTIVE = 0.99
@@ -168,7 +171,7 @@ class ConsoleRecorder:
         self._rng = random.Random(0)
 
     # -- the hot path: once per finished request -----------------------------------------------
-    def record(self, ctx: Any) -> None:
+    def record(self, ctx: Exchange) -> None:
         now = self.clock()
         epoch = int(now / self.slot_s)
         self.total += 1

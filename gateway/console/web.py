@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from gateway.admission.controller import AdmissionView
 from gateway.console.recorder import ConsoleRecorder
+from gateway.request.proxy import RequestsView
+from gateway.upstream.routing import ReplicaView
 
 BREAKER_STATES = {0: "closed", 1: "half_open", 2: "open"}
 ASSETS = {"console.js": "application/javascript", "console.css": "text/css"}
@@ -28,89 +31,70 @@ def _asset(name: str) -> bytes:
     return resources.files("gateway.console").joinpath("static", name).read_bytes()
 
 
-def live_state(router: Any, proxy: Any, admission: Any) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Live:
+    """What the running gateway publishes for the console, read at the moment a browser asks:
+    its replicas, the requests in progress and admission's queue (None: admission is off)."""
+    replicas: Sequence[ReplicaView]
+    models: list[str]
+    requests: RequestsView
+    admission: AdmissionView | None
+
+
+def live_state(live: Live | None) -> dict[str, Any]:
     """Backends (breaker, health, in flight, awaiting first token, predicted TTFT) and the
-    admission queue by class and tenant, read from the gateway's own objects."""
-    in_flight: Counter[str] = Counter()
-    waiting: Counter[str] = Counter()
-    gateway_queue: Counter[str] = Counter()
-    for watchdog in list(getattr(proxy, "active", ()) or ()):
-        ctx = getattr(watchdog, "ctx", None)
-        if ctx is None:
-            continue
-        if ctx.t_sent and ctx.backend:
-            in_flight[ctx.backend] += 1
-            if not ctx.t_first_token:
-                waiting[ctx.backend] += 1
-        else:
-            gateway_queue[ctx.slo.name if ctx.slo is not None else "none"] += 1
-    snap: dict[str, Any] = {}
-    if admission is not None:
-        try:
-            snap = admission.snapshot()
-        except Exception:  # never let the console break on an admission change
-            snap = {}
-    loads = getattr(admission, "loads", {}) if admission is not None else {}
+    admission queue by class and tenant (all empty before start-up has finished)."""
+    if live is None:
+        return {"backends": [], "models": [], "gateway_queue": {},
+                "admission": {"enabled": False, "queued": 0, "estimated_tokens": 0,
+                              "by_class": {}, "by_tenant": {}}}
+    requests, admission = live.requests, live.admission
+    loads = admission.replicas if admission is not None else {}
     backends = []
-    for r in (router.replicas if router is not None else ()):
+    for r in live.replicas:
         row: dict[str, Any] = {
-            "name": r.name, "address": f"{r.address}:{r.port}", "type": r.cfg.type,
-            "models": [m for m in r.cfg.models],
-            "breaker": BREAKER_STATES.get(r.breaker.state, str(r.breaker.state)),
-            "healthy": bool(r.healthy), "available": bool(r.available()),
-            "health_checked": bool(r.cfg.health_path),
-            "in_flight": in_flight.get(r.name, 0),
-            "awaiting_first_token": waiting.get(r.name, 0),
+            "name": r.name, "address": r.address, "type": r.type, "models": list(r.models),
+            "breaker": BREAKER_STATES.get(r.breaker, str(r.breaker)),
+            "healthy": r.healthy, "available": r.available, "health_checked": r.health_checked,
+            "in_flight": requests.in_flight.get(r.name, 0),
+            "awaiting_first_token": requests.awaiting_first_token.get(r.name, 0),
             "predicted_ttft_ms": None, "engine_waiting": None,
         }
         load = loads.get(r.name)
         if load is not None:
-            try:
-                est = load.est
-                ttft = est.predict_ttft(load.work_ahead() + load.avg_tokens,
-                                        load.decoding_now(), load.requests_ahead() + 1)
-                row["predicted_ttft_ms"] = round(ttft * 1e3, 1)
-                row["engine_waiting"] = load.engine_waiting
-                row["cap"] = load.cap
-            except Exception:
-                pass
+            row["predicted_ttft_ms"] = load.predicted_ttft_ms
+            row["engine_waiting"] = load.engine_waiting
+            row["cap"] = load.cap
         backends.append(row)
-    by_tenant: Counter[str] = Counter()
-    for waiter in list(getattr(admission, "queue", ()) or ()):
-        ctx = getattr(waiter, "ctx", None)
-        if ctx is not None:
-            by_tenant[ctx.tenant or "(no key)"] += 1
-    queue = snap.get("queue") or {}
     return {
         "backends": backends,
-        "models": router.models() if router is not None else [],
+        "models": live.models,
         "admission": {
             "enabled": admission is not None,
-            "queued": queue.get("requests", 0),
-            "estimated_tokens": queue.get("estimated_tokens", 0),
-            "by_class": queue.get("by_class", {}),
-            "by_tenant": dict(by_tenant),
+            "queued": admission.queued if admission is not None else 0,
+            "estimated_tokens": admission.estimated_tokens if admission is not None else 0,
+            "by_class": admission.by_class if admission is not None else {},
+            "by_tenant": admission.by_tenant if admission is not None else {},
         },
-        "gateway_queue": dict(gateway_queue),
+        "gateway_queue": requests.gateway_queue,
     }
 
 
 class Console:
-    """Serves the page and the pushed snapshots. `sources()` returns (router, proxy,
-    admission) of the running gateway, or Nones before start-up finished."""
+    """Serves the page and the pushed snapshots. `live()` is what the running gateway
+    publishes now (None before start-up has finished)."""
 
-    def __init__(self, recorder: ConsoleRecorder,
-                 sources: Callable[[], tuple[Any, Any, Any]], version: str = "") -> None:
+    def __init__(self, recorder: ConsoleRecorder, live: Callable[[], Live | None],
+                 version: str = "") -> None:
         self.recorder = recorder
-        self.sources = sources
+        self.live = live
         self.version = version
         self.closing = asyncio.Event()
         self._cached: tuple[float, bytes] | None = None
 
     def snapshot(self) -> dict[str, Any]:
-        router, proxy, admission = self.sources()
         out = self.recorder.snapshot()
-        out.update(live_state(router, proxy, admission))
+        out.update(live_state(self.live()))
         out["time"] = time.time()
         out["version"] = self.version
         return out

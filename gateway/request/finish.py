@@ -2,7 +2,7 @@
 metrics, spans, OTLP metrics and the JSON access-log line."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 from gateway.errors import REJECTED
 from gateway.exchange import Exchange
@@ -14,10 +14,16 @@ from gateway.telemetry.prometheus import Metrics
 from gateway.telemetry.tracing import Tracing
 
 
+class Recorder(Protocol):
+    """A sink of finished records above this layer (the console's recorder)."""
+
+    def record(self, ctx: Exchange) -> None: ...
+
+
 class Finisher:
     def __init__(self, metrics: Metrics, tracing: Tracing, otlp: OTLPMetrics,
-                 prometheus: bool = True, console: Any = None) -> None:
-        self.console = console  # console.ConsoleRecorder, or None
+                 prometheus: bool = True, console: Recorder | None = None) -> None:
+        self.console = console
         self.metrics = metrics
         self.prometheus = prometheus
         self.tracing = tracing

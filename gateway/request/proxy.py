@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +76,15 @@ REQUEST_ID_HEADER = "x-slogate-request-id"
 MAX_ERROR_BODY = 1024 * 1024
 
 
+@dataclass(frozen=True, slots=True)
+class RequestsView:
+    """The requests in progress, counted for the console: sent upstream per backend (and of
+    those, still awaiting their first token), and not yet sent, per SLO class."""
+    in_flight: dict[str, int]
+    awaiting_first_token: dict[str, int]
+    gateway_queue: dict[str, int]
+
+
 class Proxy:
     def __init__(self, cfg: Config, router: Router, finisher: Finisher, auth: AuthPolicy,
                  slo: SLOPolicy, admission: AdmissionController | None = None) -> None:
@@ -91,6 +102,20 @@ class Proxy:
         self.active: set[Watchdog] = set()  # requests in flight (for the drain)
         self._backoff = wait_random_exponential(multiplier=cfg.retry.backoff_base_s,
                                                 max=cfg.retry.backoff_max_s)
+
+    def view(self) -> RequestsView:
+        in_flight: Counter[str] = Counter()
+        waiting: Counter[str] = Counter()
+        queued: Counter[str] = Counter()
+        for watchdog in self.active:
+            ctx = watchdog.ctx
+            if ctx.t_sent and ctx.backend:
+                in_flight[ctx.backend] += 1
+                if not ctx.t_first_token:
+                    waiting[ctx.backend] += 1
+            else:
+                queued[ctx.slo.name if ctx.slo is not None else "none"] += 1
+        return RequestsView(dict(in_flight), dict(waiting), dict(queued))
 
     def end_all(self, reason: str) -> None:
         """End every request in flight now (drain deadline): streams get an error event."""
@@ -159,8 +184,8 @@ class Proxy:
         bounded and checked against the tenant's policy: a class its key may not use, or an
         override it may not send, is a 403 naming what it may. May refuse (400, 403). Hands on
         `ex.slo` and the overrides."""
-        ex.slo = self.slo.target_for(ex.route, request.headers, ex.policy)
-        return DeadlineOverrides.from_headers(request.headers, ex.policy.timeout_overrides)
+        ex.slo = self.slo.target_for(ex.route, request.headers, ex.tenant_policy)
+        return DeadlineOverrides.from_headers(request.headers, ex.tenant_policy.timeout_overrides)
 
     async def read(self, ex: Exchange, request: web.Request) -> None:
         """The body (bounded) and the few fields the gateway needs: model, stream. May refuse
@@ -198,7 +223,7 @@ class Proxy:
         `ex.ticket` (the replica admission chose), or nothing when admission is off."""
         if self.admission is None:
             ex.admission = ("admitted", "admission_off")
-            self.metrics.child(self.metrics.admission, (ex.model_label, ex.route, ex.slo.name,
+            self.metrics.child(self.metrics.admission, (ex.model_label, ex.route, ex.target.name,
                                                         *ex.admission)).inc()
             return
         api = self._api(ex)

@@ -2,10 +2,16 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gateway.config import DEFAULT_CLASS, OPEN_POLICY, SLOClass, SLOConfig, TenantPolicy
+from gateway.config import (
+    DEFAULT_CLASS,
+    OPEN_POLICY,
+    SLOClass,
+    SLOConfig,
+    SLOTarget,
+    TenantPolicy,
+)
 from gateway.errors import OK, GatewayError
 from gateway.telemetry import durations
 
@@ -25,20 +31,6 @@ FAILED = "failed"
 CLASS_HEADER = "x-slo-class"
 TTFT_HEADER = "x-slo-ttft-ms"
 TPOT_HEADER = "x-slo-tpot-ms"
-
-
-@dataclass(frozen=True)
-class SLOTarget:
-    """The targets one request is judged against: its class, possibly tightened or loosened by
-    request headers within the configured bounds."""
-    cls: SLOClass
-    ttft_ms: float
-    tpot_ms: float
-    e2e_ms: float | None
-
-    @property
-    def name(self) -> str:
-        return self.cls.name
 
 
 class SLOPolicy:

@@ -5,7 +5,7 @@ The gateway counts a dozen things per request, all on its one event-loop thread,
 prometheus_client's Counter and Gauge take a lock and re-check their labels on every update
 (~0.9 µs each; these are a float add). The exposition is prometheus_client's own: a counter's
 `<name>_total` and `<name>_created` samples per series, in the order the series were created,
-a gauge's one sample (`tests/test_unit_counter.py` compares them).
+a gauge's one sample (`tests/unit/test_counter.py` compares them).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ a request line, headers it has already decided and a body that is already bytes 
   body's StreamReader) are aiohttp's objects; the relay hooks that StreamReader as before.
 
 What `TCPConnector.connect` reads of a request for a direct connection (no proxy) is in
-`Target`; tests/test_upstream.py pins it against the installed aiohttp.
+`Target`; tests/integration/test_upstream.py pins it against the installed aiohttp.
 """
 from __future__ import annotations
 

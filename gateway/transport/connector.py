@@ -1,7 +1,7 @@
 """The upstream connector: aiohttp's TCPConnector (pool, DNS, TLS, limits) with connect timing.
 
 `_create_connection` is the connector's own extension point (every connector class implements
-it), but a private one: tests/test_unit_routing.py pins it.
+it), but a private one: tests/integration/test_connector.py pins it.
 """
 from __future__ import annotations
 

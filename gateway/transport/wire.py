@@ -19,7 +19,7 @@ is the body of a streamed answer, both ways:
 
 Everything here is synchronous and allocation-light, the response head included
 (`start_response`); the one coroutine per stream (the Relay) only wakes under back-pressure
-and at the end. tests/test_wire.py pins the aiohttp
+and at the end. tests/integration/test_wire.py pins the aiohttp
 behaviour this relies on, so that an aiohttp upgrade that changes it fails there first.
 """
 from __future__ import annotations
@@ -178,7 +178,7 @@ class CoalescedResponse(web.StreamResponse):
 def run_now(coro: Coroutine[Any, Any, Any]) -> None:
     """Run an aiohttp coroutine that cannot suspend to its end, here and now (no task, no loop
     iteration). Suspending would be a bug of ours (its preconditions are pinned in
-    tests/test_wire.py), raised as such."""
+    tests/integration/test_wire.py), raised as such."""
     try:
         coro.send(None)
     except StopIteration:

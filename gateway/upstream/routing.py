@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -17,6 +18,19 @@ from gateway.transport.client import Target
 from gateway.transport.connector import TimedConnector
 from gateway.upstream import health
 from gateway.upstream.health import Breaker
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """What the console shows of a replica (a snapshot: nothing in it is live)."""
+    name: str
+    address: str
+    type: str
+    models: tuple[str, ...]
+    breaker: int  # health.CLOSED / HALF_OPEN / OPEN
+    healthy: bool  # the active checks' verdict (true without them)
+    available: bool
+    health_checked: bool
 
 
 class Replica:
@@ -66,6 +80,11 @@ class Replica:
 
     def available(self) -> bool:
         return self.healthy and self.breaker.available()
+
+    def view(self) -> ReplicaView:
+        return ReplicaView(self.name, f"{self.address}:{self.port}", self.cfg.type,
+                           tuple(self.cfg.models), self.breaker.state, self.healthy,
+                           self.available(), bool(self.cfg.health_path))
 
     def start_health_checks(self) -> None:
         if self.cfg.health_path:

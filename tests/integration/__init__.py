@@ -1,0 +1,1 @@
+"""slogate's tests (a package, so that helpers import as tests.support.*)."""

@@ -1,0 +1,259 @@
+"""The protocol-level relay (gateway/transport/wire.py): what it relies on in aiohttp,
+back-pressure both ways, and a connection that goes back to the pool after a hooked body."""
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+from aiohttp.streams import StreamReader
+
+from gateway import config
+from gateway.ops.server import build_app
+from gateway.transport.wire import UpstreamBody, _HookedReader
+from tests.support.servers import serve_app
+from tests.support.waiting import wait_until
+
+
+def chunk(i: int, pad: int = 0) -> bytes:
+    obj = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+           "choices": [{"index": 0, "delta": {"content": f"t{i} " + "x" * pad},
+                        "finish_reason": None}]}
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def gateway_config(upstream_base: str) -> config.Config:
+    return config.parse({"auth": {"mode": "open"}, "server": {"access_log": False},
+                         "backends": [{"name": "up", "base_url": upstream_base + "/v1"}]})
+
+
+def test_hooked_reader_has_the_stream_readers_layout() -> None:
+    assert _HookedReader.__slots__ == ()
+    assert _HookedReader.__basicsize__ == StreamReader.__basicsize__
+
+
+class _Transport:
+    """Records what a response writes to the client's transport."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+    def writelines(self, chunks: list[bytes]) -> None:
+        self.writes.append(b"".join(chunks))
+
+    def is_closing(self) -> bool:
+        return False
+
+
+class _Protocol:
+    def __init__(self) -> None:
+        self.transport = _Transport()
+
+
+def _request(app: web.Application | None = None) -> tuple[web.Request, _Transport]:
+    from aiohttp.http_writer import StreamWriter
+    from aiohttp.test_utils import make_mocked_request
+
+    proto = _Protocol()
+    writer = StreamWriter(proto, asyncio.get_running_loop())  # type: ignore[arg-type]
+    request = make_mocked_request("POST", "/v1/chat/completions", writer=writer, app=app)
+    return request, proto.transport
+
+
+async def test_the_head_and_the_first_bytes_leave_in_one_write() -> None:
+    """CoalescedResponse: aiohttp keeps the head until the first body write and sends both in
+    one transport write; an empty first write sends the head alone. A plain StreamResponse
+    writes its head in prepare, a write of its own (pinned too: if aiohttp changes either,
+    this fails before TTFT does)."""
+    from gateway.transport.wire import CoalescedResponse
+
+    async def writes(cls: type[web.StreamResponse], first: bytes) -> list[bytes]:
+        request, transport = _request()
+        resp = cls(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(first)
+        return transport.writes
+
+    token = chunk(1)
+    (one,) = await writes(CoalescedResponse, token)
+    assert one.startswith(b"HTTP/1.1 200 OK\r\n") and b"Transfer-Encoding: chunked" in one
+    assert one.endswith(b"\r\n\r\n%x\r\n%b\r\n" % (len(token), token))
+    (head,) = await writes(CoalescedResponse, b"")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n") and head.endswith(b"\r\n\r\n")
+    head, body = await writes(web.StreamResponse, token)
+    assert head.endswith(b"\r\n\r\n") and body.endswith(token + b"\r\n")
+
+
+async def test_the_commit_runs_without_the_event_loop() -> None:
+    """start_response runs aiohttp's prepare and first write to their end synchronously (the
+    relay commits inside the upstream's data_received), more than a socket buffer at once
+    too; it would suspend only for an on_response_prepare receiver — the gateway's app has
+    none, and one that awaits is caught, not half-run."""
+    from gateway.transport.wire import CoalescedResponse, start_response
+
+    request, transport = _request()
+    big = b"data: " + b"x" * (256 * 1024) + b"\n\n"
+    start_response(CoalescedResponse(headers={"Content-Type": "text/event-stream"}), request, big)
+    (one,) = transport.writes  # written before anything could await
+    assert one.startswith(b"HTTP/1.1 200 OK\r\n") and one.endswith(big + b"\r\n")
+
+    app = build_app(gateway_config("http://127.0.0.1:9"))
+    assert not app.on_response_prepare and all(not sub.on_response_prepare for sub in [
+        r.resource._app for r in app.router.routes()  # type: ignore[union-attr]
+        if hasattr(r.resource, "_app")])
+
+    async def slow(request: web.Request, response: web.StreamResponse) -> None:
+        await asyncio.sleep(0)
+
+    hooked = web.Application()
+    hooked.on_response_prepare.append(slow)
+    hooked.freeze()
+    request, transport = _request(hooked)
+    with pytest.raises(RuntimeError, match="suspended"):
+        start_response(CoalescedResponse(), request, b"")
+
+
+class Sink:
+    def __init__(self, body: UpstreamBody | None = None, pause_after: int = 0) -> None:
+        self.data: list[bytes] = []
+        self.eof = asyncio.Event()
+        self.error: BaseException | None = None
+        self.body = body
+        self.pause_after = pause_after
+
+    def body_data(self, data: bytes) -> None:
+        self.data.append(data)
+        if self.body is not None and len(self.data) == self.pause_after:
+            self.body.pause()
+
+    def body_eof(self) -> None:
+        self.eof.set()
+
+    def body_error(self, exc: BaseException) -> None:
+        self.error = exc
+        self.eof.set()
+
+
+async def test_body_goes_to_the_sink_in_order_with_pause_and_resume_and_the_connection_is_reused(
+        ) -> None:
+    parts = [chunk(i) for i in range(40)]
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, p in enumerate(parts):
+            await resp.write(p)
+            if i % 10 == 9:
+                await asyncio.sleep(0.01)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/s", handler)
+    async with serve_app(app) as base, aiohttp.ClientSession() as s:
+        for _ in range(2):  # the second request reuses the pooled connection
+            up = await s.post(base + "/s")
+            body = UpstreamBody(up)
+            sink = Sink(body, pause_after=3)
+            body.hook(sink)
+            await asyncio.sleep(0.1)
+            assert len(sink.data) == 3 and not sink.eof.is_set()  # paused: nothing more
+            body.resume()
+            await asyncio.wait_for(sink.eof.wait(), 5)
+            body.unhook()
+            assert type(up.content) is StreamReader
+            assert sink.error is None
+            assert b"".join(sink.data) == b"".join(parts)
+            up.release()
+        assert s.connector is not None
+        assert sum(len(v) for v in s.connector._conns.values()) == 1
+
+
+async def test_a_client_that_does_not_read_stops_the_upstream() -> None:
+    """Back-pressure end to end: while the client reads nothing, the upstream can only write
+    what the socket buffers hold; once it reads, everything arrives, byte-exact."""
+    sent = [0]
+    total = 64 * 1024 * 1024
+    piece = chunk(0, pad=16 * 1024)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        while sent[0] < total:
+            await resp.write(piece)
+            sent[0] += len(piece)
+        await resp.write(DONE)
+        await resp.write_eof()
+        return resp
+
+    up_app = web.Application()
+    up_app.router.add_post("/v1/chat/completions", handler)
+    async with serve_app(up_app) as up, serve_app(build_app(gateway_config(up))) as gw, \
+            aiohttp.ClientSession() as s:
+        r = await s.post(gw + "/v1/chat/completions",
+                         json={"model": "m", "stream": True, "messages": []})
+        assert r.status == 200
+        await wait_until(lambda: sent[0] > 0, timeout=2.0, what="the upstream writing")
+        await asyncio.sleep(0.5)
+        stalled_at = sent[0]
+        await asyncio.sleep(0.5)
+        assert sent[0] == stalled_at, "the upstream kept writing to a client that reads nothing"
+        assert stalled_at < total // 2, stalled_at  # socket buffers only, nothing unbounded
+        got = 0
+        tail = b""
+        async for data in r.content.iter_any():
+            got += len(data)
+            tail = (tail + data)[-64:]
+        assert tail.endswith(DONE)
+        assert got == sent[0] + len(DONE)
+
+
+async def test_a_bug_in_the_sink_is_the_gateways_error_not_the_upstreams(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception while relaying (here: the observer) is raised by the request's coroutine,
+    as before the protocol-level relay: an internal error, not a lost upstream connection."""
+    from gateway.apis import chat
+
+    calls = [0]
+    real = chat.ChatCompletions.observe
+
+    def observe(self, event, route):  # type: ignore[no-untyped-def]
+        calls[0] += 1  # the first token, then (the others fit its shape) [DONE]
+        if calls[0] == 2:
+            raise RuntimeError("observer bug")
+        return real(self, event, route)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(5):
+            await resp.write(chunk(i))
+            await asyncio.sleep(0.01)
+        await resp.write(DONE)
+        await resp.write_eof()
+        return resp
+
+    up_app = web.Application()
+    up_app.router.add_post("/v1/chat/completions", handler)
+    monkeypatch.setattr(chat.ChatCompletions, "observe", observe)
+    async with serve_app(up_app) as up, serve_app(build_app(gateway_config(up))) as gw, \
+            aiohttp.ClientSession() as s:
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with s.post(gw + "/v1/chat/completions",
+                              json={"model": "m", "stream": True, "messages": []}) as r:
+                await asyncio.wait_for(r.read(), 5)
+        async with s.get(gw + "/metrics") as r:
+            text = await r.text()
+        assert 'outcome="gateway_error"' in text
+        assert "upstream_connection_lost" not in text
+        async with s.post(gw + "/v1/chat/completions",
+                          json={"model": "m", "stream": True, "messages": []}) as r:
+            assert (await asyncio.wait_for(r.read(), 5)).endswith(DONE)

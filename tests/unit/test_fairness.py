@@ -1,0 +1,151 @@
+"""Unit tests, no sockets, injected clocks: the weighted fair queue's order (the README's worked
+example), min_share under strict priority, who is shed when the queue is full; the adaptive
+concurrency limit; the robust per-tenant calibration; quota buckets."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import pytest
+
+from gateway.admission.estimator import TokenCalibration
+from gateway.admission.fairness import FairQueue
+from gateway.admission.limits import AdaptiveLimit
+from gateway.admission.quotas import Bucket, TenantQuotas
+from gateway.config import Quotas, TenantPolicy
+from gateway.errors import RateLimited
+from tests.support.fakeclock import FakeClock
+
+_seq = itertools.count()
+
+
+@dataclass(eq=False)
+class W:
+    flow: tuple[str, str]
+    deadline: int
+    priority: int = 0
+    seq: int = field(default_factory=lambda: next(_seq))
+    name: str = ""
+
+
+def drain(q: FairQueue, n: int) -> list[str]:
+    """Dispatch the next n in fair order, one at a time (as the controller does)."""
+    out = []
+    for _ in range(n):
+        w = next(q.order())
+        q.dispatched(w)
+        out.append(w.name)
+    return out
+
+
+def test_worked_example_weights_two_to_one_and_edf_inside_a_flow() -> None:
+    """README's example: tenant A (weight 2) and B (weight 1), both backlogged; A's requests
+    go in deadline order, not arrival order."""
+    q = FairQueue()
+    for deadline in (30, 10, 20, 40):
+        q.push(W(("A", "std"), deadline, name=f"A{deadline}"), weight=2.0, min_share=0.0)
+    for i in range(3):
+        q.push(W(("B", "std"), 5 + i, name=f"B{i}"), weight=1.0, min_share=0.0)
+    assert [w.name for w in q.order()] == ["B0", "A10", "A20", "B1", "A30", "A40", "B2"]
+    assert drain(q, 7) == ["B0", "A10", "A20", "B1", "A30", "A40", "B2"]
+
+
+def test_an_idle_flow_banks_no_credit() -> None:
+    q = FairQueue()
+    for i in range(6):
+        q.push(W(("A", "c"), i, name=f"A{i}"), 1.0, 0.0)
+    assert drain(q, 4) == ["A0", "A1", "A2", "A3"]
+    # B arrives late: it is not owed the 4 dispatches it did not ask for.
+    for i in range(3):
+        q.push(W(("B", "c"), 100 + i, name=f"B{i}"), 1.0, 0.0)
+    assert drain(q, 4) == ["B0", "A4", "B1", "A5"]  # alternating from now on
+
+
+def test_strict_priority_keeps_min_share_for_the_lower_class() -> None:
+    q = FairQueue()
+    for i in range(200):
+        q.push(W(("t", "high"), i, priority=10, name="high"), 1.0, 0.05)
+        q.push(W(("t", "low"), i, priority=0, name="low"), 1.0, 0.2)
+    got = drain(q, 100)
+    assert got[:10] == ["high"] * 10  # strict priority first
+    assert 0.17 <= got.count("low") / 100 <= 0.25, got.count("low")
+
+
+def test_the_flow_over_its_share_is_shed() -> None:
+    q = FairQueue()
+    for i in range(10):
+        q.push(W(("flood", "c"), i, name=f"f{i}"), 1.0, 0.0)
+    q.push(W(("quiet", "c"), 0, name="q0"), 1.0, 0.0)
+    victim = q.victim(("quiet", "c"), 1.0)
+    assert victim is not None and victim.name == "f9"  # the flood's newest
+    assert q.victim(("flood", "c"), 1.0) is None  # the flood's own arrival is the one shed
+
+
+def test_adaptive_limit_grows_while_fast_and_backs_off_on_engine_queueing() -> None:
+    lim = AdaptiveLimit(initial=4, min_limit=2, max_limit=256)
+    for _ in range(300):  # fast but hardly used: a history, and no growth
+        lim.sample(0.02, in_flight=1)
+    assert lim.value == 4
+    for _ in range(20):  # fast, and the limit is in use: grows (slow start: +1 per sample)
+        lim.sample(0.02, in_flight=lim.value)
+    grown = lim.value
+    assert grown == 24
+    for _ in range(100):  # the engine queues: TTFT jumps by seconds
+        lim.sample(2.0, in_flight=lim.value)
+    assert lim.value < grown / 2 and lim.cuts > 0
+    before = lim.value
+    for _ in range(8 * before):  # after a decrease: about +1 every two rounds
+        lim.sample(0.02, in_flight=lim.value)
+    assert before + 2 <= lim.value <= before + 5
+    idle = AdaptiveLimit(initial=8, min_limit=2, max_limit=256)
+    for _ in range(400):  # fast but hardly used: no evidence the engine takes more
+        idle.sample(0.02, in_flight=1)
+    assert idle.value == 8
+    capped = AdaptiveLimit(initial=8, min_limit=2, max_limit=10)
+    for _ in range(400):
+        capped.sample(0.02, in_flight=capped.value)
+    assert capped.value == 10  # max_concurrency bounds it
+    capped.engine_reports(6.0)  # the engine says its batch is 6
+    assert capped.value == 6
+
+
+def test_calibration_is_per_tenant_robust_and_bounded() -> None:
+    cal = TokenCalibration()
+    for _ in range(8):
+        cal.observe("victim", 1000, 250)
+    for _ in range(30):
+        cal.observe("attacker", 1_000_000, 250)  # 1 MB of padding, the same 250 tokens
+    assert cal.ratio("victim") == pytest.approx(0.25)
+    assert cal.ratio("attacker") == pytest.approx(0.005)  # clamped at the lower bound
+    cal.observe("victim", 1000, 1)  # one odd prompt moves nothing
+    assert cal.ratio("victim") == pytest.approx(0.25)
+    assert cal.ratio("newcomer") == pytest.approx((0.25 + 0.005) / 2)  # one vote per tenant
+
+
+def test_bucket_refills_at_its_rate() -> None:
+    clock = FakeClock()
+    b = Bucket(60, clock.seconds)
+    assert all(b.take(1)[0] for _ in range(60))
+    assert b.take(1) == (False, 0.0)
+    clock.advance(1.0)
+    assert b.take(1)[0]
+
+
+async def test_quotas_refuse_with_limits_and_give_back_what_a_shed_request_took() -> None:
+    clock = FakeClock()
+    quotas = TenantQuotas(clock=clock.seconds)
+    policy = TenantPolicy(quotas=Quotas(requests_per_minute=2, tokens_per_minute=1000))
+    a = await quotas.reserve("t", policy, 300)
+    b = await quotas.reserve("t", policy, 300)
+    with pytest.raises(RateLimited) as e:
+        await quotas.reserve("t", policy, 300)
+    assert e.value.code == "quota_requests_per_minute"
+    assert e.value.limits.requests_limit == 2 and e.value.limits.requests_remaining == 0
+    assert e.value.headers["Retry-After"] == "30"  # one request back after 30 s
+    quotas.give_back(b)  # shed by admission: the request and its tokens come back
+    c = await quotas.reserve("t", policy, 300)
+    quotas.finished(a, used_tokens=900)  # it used more than reserved: the bucket pays
+    quotas.finished(c, used_tokens=10)
+    with pytest.raises(RateLimited) as e:
+        await quotas.reserve("t", policy, 300)
+    assert e.value.code == "quota_requests_per_minute"

@@ -1,0 +1,159 @@
+"""The relay's pure core: whatever the upstream's chunking and line endings, the client gets
+the upstream's bytes unchanged, less exactly the usage chunk the gateway asked for, and never
+more than HOLD_LIMIT bytes of an unfinished event are held back."""
+from __future__ import annotations
+
+import itertools
+from unittest import mock
+
+import orjson
+from hypothesis import given, settings, strategies as st
+
+from gateway.apis import chat, messages
+from gateway.exchange import Exchange
+from gateway.request.relay import HOLD_LIMIT, Splicer, splice
+from tests.support.stamps import StampedExchange
+
+ROLE = b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
+TOKEN = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"%d"}}]}'
+FINAL = b'data: {"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}'
+USAGE = b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4}}'
+DONE = b"data: [DONE]"
+
+
+@given(st.binary(max_size=200), st.data())
+def test_splice_is_the_bytes_outside_the_drops_up_to_the_cut(buf: bytes,
+                                                            data: st.DataObject) -> None:
+    points = sorted(data.draw(st.lists(st.integers(0, len(buf)), max_size=8)))
+    drops = list(zip(points[::2], points[1::2], strict=False))  # an odd point is left out
+    cut = data.draw(st.integers(points[-1] if points else 0, len(buf)))
+    keep = bytearray()
+    for i in range(cut):
+        if not any(a <= i < b for a, b in drops):
+            keep.append(buf[i])
+    assert splice(buf, drops, cut) == bytes(keep)
+
+
+def _chunks(stream: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(stream) + 1) for c in cuts} | {0, len(stream)})
+    return [stream[a:b] for a, b in itertools.pairwise(points)]
+
+
+def _run(stream: bytes, cuts: list[int], injected: bool) -> tuple[bytes, Exchange]:
+    ex = Exchange(chat.CHAT)
+    ex.stream, ex.usage_injected = True, injected
+    splicer = Splicer(ex, chat.API)
+    out = b"".join(splicer.feed(chunk, t) for t, chunk in enumerate(_chunks(stream, cuts), 1))
+    return out + splicer.pending, ex
+
+
+@settings(max_examples=300, deadline=None)
+@given(n_tokens=st.integers(0, 6), eol=st.sampled_from([b"\n", b"\r\n", b"\r"]),
+       comments=st.booleans(), injected=st.booleans(),
+       cuts=st.lists(st.integers(0, 10_000), max_size=12))
+def test_any_chunking_relays_the_stream_less_exactly_the_injected_usage_chunk(
+        n_tokens: int, eol: bytes, comments: bool, injected: bool, cuts: list[int]) -> None:
+    def event(line: bytes) -> bytes:
+        return line + eol + eol
+
+    parts = [event(ROLE)] + [event(TOKEN % i) for i in range(n_tokens)] + [event(FINAL)]
+    if comments:
+        parts.insert(1, b": ping" + eol + eol)
+    usage = event(USAGE)
+    stream = b"".join(parts) + usage + event(DONE)
+    out, ex = _run(stream, cuts, injected)
+    assert out == (stream.replace(usage, b"") if injected else stream)
+    assert ex.token_events == n_tokens and ex.done
+    assert (ex.prompt_tokens, ex.completion_tokens) == (3, 4)
+
+
+@settings(max_examples=100, deadline=None)
+@given(cuts=st.lists(st.integers(0, 10_000), max_size=8))
+def test_anthropic_event_lines_pass_untouched(cuts: list[int]) -> None:
+    stream = (b'event: message_start\ndata: {"type":"message_start","message":{"id":"m",'
+              b'"model":"c","usage":{"input_tokens":5}}}\n\n'
+              b'event: ping\ndata: {"type": "ping"}\n\n'
+              b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+              b'"delta":{"type":"text_delta","text":"Hi"}}\n\n'
+              b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+    ex = Exchange("/v1/messages")
+    splicer = Splicer(ex, messages.API)
+    out = b"".join(splicer.feed(c, t) for t, c in enumerate(_chunks(stream, cuts), 1))
+    assert out == stream and ex.token_events == 1 and ex.done and ex.prompt_tokens == 5
+
+
+def test_an_unfinished_event_is_held_back_only_up_to_the_hold_limit() -> None:
+    ex = Exchange(chat.CHAT)
+    splicer = Splicer(ex, chat.API)
+    assert splicer.feed(event_start := b'data: {"choices":[', 1) == b""
+    assert splicer.pending == event_start
+    big = b"x" * (HOLD_LIMIT + 1)
+    out = splicer.feed(big, 2)
+    assert out == event_start + big and splicer.pending == b"" and splicer.partial_out
+
+
+_TEXTS = st.sampled_from(["x", " token", "", 'say "hi"', "a\\b", "é😀", "\n", "</s>"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(texts=st.lists(_TEXTS, max_size=12), reasoning=st.integers(0, 3),
+       finish_with_text=st.booleans(), cuts=st.lists(st.integers(0, 10_000), max_size=4),
+       per_read=st.integers(1, 3))
+def test_the_token_shape_fast_path_stamps_what_parsing_every_event_would(
+        texts: list[str], reasoning: int, finish_with_text: bool, cuts: list[int],
+        per_read: int) -> None:
+    """A stream of ordinary tokens (with reasoning first, empty and escaped texts, a last
+    chunk that also carries text), one to three events per read or cut anywhere: the exchange
+    is stamped exactly as when every event is parsed, and the bytes are the same."""
+    head = b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":'
+
+    def chunk(delta: dict[str, str], finish: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return b"data: " + head + orjson.dumps([choice]) + b"}\n\n"
+
+    parts = [chunk({"role": "assistant", "content": ""})]
+    parts += [chunk({"reasoning_content": "r"}) for _ in range(reasoning)]
+    parts += [chunk({"content": t}) for t in texts]
+    parts.append(chunk({"content": "end"} if finish_with_text else {}, "stop"))
+    parts.append(b"data: [DONE]\n\n")
+    stream = b"".join(parts)
+    runs = []
+    for shapes in (True, False):
+        ex = StampedExchange(chat.CHAT)
+        ex.stream = True
+        splicer = Splicer(ex, chat.API)
+        if not shapes:
+            splicer.shape_tries = 0
+        reads = _chunks(stream, cuts) if cuts else [
+            b"".join(parts[i:i + per_read]) for i in range(0, len(parts), per_read)]
+        out = b"".join(splicer.feed(c, t) for t, c in enumerate(reads, 1)) + splicer.pending
+        runs.append((out, ex.events, ex.token_events, ex.token_stamps, ex.t_first_token,
+                     ex.t_first_visible, ex.t_last_token, ex.finish_reasons, ex.done,
+                     ex.response_id))
+        plain = len(texts) > 1 and all(t and not set(t) & set('"\\\n') for t in texts)
+        if shapes and not cuts and plain:
+            assert splicer.shape is not None  # the fast path was taken
+    assert runs[0] == runs[1]
+    assert runs[0][0] == stream
+
+
+def test_a_token_whose_text_has_escapes_keeps_the_shape() -> None:
+    """Engines' text often has quotes and newlines (escaped in JSON): those tokens are parsed,
+    and the shape stays for the plain ones after them; a provider that pads every chunk
+    differently stops being looked at after a few tries."""
+    def chunk(text: str, pad: str = "") -> bytes:
+        return (b'data: {"id":"c","choices":[{"index":0,"delta":{"content":'
+                + orjson.dumps(text) + b'},"finish_reason":null}]' + pad.encode() + b"}\n\n")
+
+    ex = Exchange(chat.CHAT)
+    splicer = Splicer(ex, chat.API)
+    parsed = []
+    observe = chat.API.observe
+    with mock.patch.object(chat.API, "observe", lambda ev, route: parsed.append(ev.data)
+                           or observe(ev, route)):
+        for t, text in enumerate(["a", 'say "hi"', "b", "line\n", "c", "d"], 1):
+            splicer.feed(chunk(text), t)
+        assert len(parsed) == 3 and ex.token_events == 6  # "a", 'say "hi"', "line\n"
+        for i in range(10):
+            splicer.feed(chunk("x", f',"obfuscation":"{i}"'), 100 + i)
+    assert ex.token_events == 16 and splicer.shape is None and len(parsed) == 13
