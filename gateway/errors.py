@@ -121,6 +121,16 @@ class ClientGone(Exception):
     """The client went away while we wrote to it."""
 
 
+class UpstreamUnreachable(Exception):
+    """The upstream could not be connected to, or closed before its response headers; the
+    message says which address and why, in words (transport/netdiag.py)."""
+
+
+class UpstreamLost(Exception):
+    """The upstream's connection was lost (reset, closed mid-chunk, timed out) in the middle
+    of its response body."""
+
+
 class ConfigError(Exception):
     """A config problem: names the key, the bad value and what was expected; when the value
     came from the environment, `source` names the variable (`SLOGATE_SERVER_PORT=eighty`)."""

@@ -10,8 +10,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from gateway.edge import limits
-from gateway.errors import ResponseTooLarge
+from gateway.errors import ResponseTooLarge, UpstreamLost, UpstreamUnreachable
+from gateway.transport.client import fetch
 
 log = logging.getLogger("slogate.admission")
 
@@ -48,22 +48,19 @@ def metrics_url(base_url: str) -> str:
 async def scrape_forever(session: aiohttp.ClientSession, base_url: str, interval_s: float,
                          report: Callable[[dict[str, float]], None]) -> None:
     url = metrics_url(base_url)
-    timeout = aiohttp.ClientTimeout(total=max(0.5, interval_s))
     failing = False
     while True:
         try:
-            async with session.get(url, timeout=timeout, allow_redirects=False) as r:
-                if r.status == 200:
-                    # bounded: an engine's /metrics is tens of KiB
-                    text = (await limits.read_capped(r, MAX_METRICS_BYTES)).decode(
-                        "utf-8", "replace")  # the exposition format is UTF-8
-                    report(parse(text))
-                    failing = False
-                elif not failing:
-                    log.warning("engine metrics %s answered %d", url, r.status)
-                    failing = True
-        except (TimeoutError, aiohttp.ClientError, OSError, ResponseTooLarge) as e:
+            # bounded: an engine's /metrics is tens of KiB
+            status, body = await fetch(session, url, max(0.5, interval_s), MAX_METRICS_BYTES)
+            if status == 200:
+                report(parse(body.decode("utf-8", "replace")))  # the exposition format is UTF-8
+                failing = False
+            elif not failing:
+                log.warning("engine metrics %s answered %d", url, status)
+                failing = True
+        except (UpstreamUnreachable, UpstreamLost, ResponseTooLarge) as e:
             if not failing:
-                log.warning("engine metrics %s unreachable: %s", url, type(e).__name__)
+                log.warning("engine metrics %s unreachable: %s", url, e)
                 failing = True
         await asyncio.sleep(interval_s)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from gateway.errors import GatewayError, ResponseTooLarge
+from gateway.errors import GatewayError
 
 MAX_STRING = 256  # client-supplied strings echoed in error bodies and logs are cut to this
 
@@ -38,9 +38,8 @@ MAX_CONNECTIONS_PER_CLIENT = "max_connections_per_client"
 CONNECTION_REASONS = (HEADER_TIMEOUT, IDLE_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_CLIENT)
 
 if TYPE_CHECKING:
-    import aiohttp
 
-    from gateway.transport.client import UpstreamResponse
+    pass
 
 
 def clip(value: object, n: int = MAX_STRING) -> str:
@@ -56,22 +55,6 @@ def check_name(value: str, param: str) -> str:
         raise GatewayError(400, f"'{param}' is {len(value)} characters long; at most "
                            f"{MAX_STRING} are accepted.", STRING_TOO_LONG, param=param)
     return value
-
-
-async def read_capped(up: aiohttp.ClientResponse | UpstreamResponse, limit: int) -> bytes:
-    """A whole non-streamed body, decompressed (aiohttp >= 3.13.3 inflates in bounded steps),
-    or ResponseTooLarge as soon as it passes `limit` decompressed bytes."""
-    if up.content_length is not None and not up.headers.get("Content-Encoding") \
-            and up.content_length > limit:
-        raise ResponseTooLarge(limit)
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in up.content.iter_any():
-        size += len(chunk)
-        if size > limit:
-            raise ResponseTooLarge(limit)
-        parts.append(chunk)
-    return b"".join(parts)
 
 
 # -- raw answers where no request (or no API) is known yet -------------------------------------

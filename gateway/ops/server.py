@@ -48,6 +48,7 @@ from gateway.telemetry.otlp_metrics import OTLPMetrics
 from gateway.telemetry.prometheus import Metrics
 from gateway.telemetry.tracing import Tracing
 from gateway.transport.netdiag import describe_listen_error
+from gateway.transport.server import GuardedSite
 from gateway.upstream.routing import Replica, Router
 
 if TYPE_CHECKING:
@@ -176,7 +177,7 @@ async def drain(app: web.Application, timeout_s: float) -> None:
 
 
 async def start(app: web.Application, cfg: Config, host: str,
-                port: int) -> tuple[web.AppRunner, listener.GuardedSite]:
+                port: int) -> tuple[web.AppRunner, GuardedSite]:
     """Listen with the listener limits of [server] (header deadline, idle keep-alive timeout,
     connection caps in total and per client address, descriptor budget). A worker of
     `--workers N` listens with SO_REUSEPORT and its share of the connection caps."""
@@ -191,7 +192,7 @@ async def start(app: web.Application, cfg: Config, host: str,
         max_conns, per_client = worker.split_connections(max_conns, per_client)
     max_conns = listener.fd_budget(max_conns, sum(b.pool_size for b in cfg.backends))
     guard = listener.ConnectionGuard(max_conns, per_client, s.header_timeout_s, app[METRICS_KEY])
-    site = listener.GuardedSite(runner, host, port, guard, reuse_port=worker is not None)
+    site = GuardedSite(runner, host, port, guard, reuse_port=worker is not None)
     try:
         await site.start()
     except OSError as e:  # one line for the user, and no unclosed upstream sessions

@@ -48,6 +48,7 @@ from gateway.errors import (
     GatewayError,
     RateLimited,
     ResponseTooLarge,
+    UpstreamUnreachable,
     deadline_failure,
 )
 from gateway.exchange import Attempt, Exchange
@@ -58,7 +59,6 @@ from gateway.timeline import now_ns
 from gateway.transport import client as upstream
 from gateway.transport.client import UpstreamResponse
 from gateway.transport.connector import CONNECTING
-from gateway.transport.netdiag import describe_connect_error
 from gateway.upstream.health import HALF_OPEN
 
 if TYPE_CHECKING:
@@ -419,10 +419,9 @@ class Proxy:
         connecting = CONNECTING.set(ex)  # a new connection is stamped on the exchange
         try:
             up = await upstream.send(replica.connector, target, headers, data, timeout)
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        except UpstreamUnreachable as e:
             raise AttemptFailed(CONNECT_ERROR, 502, f"Backend '{replica.name}' is unreachable: "
-                                f"{describe_connect_error(e, replica.address, replica.port)}.",
-                                "upstream_unreachable") from None
+                                f"{e}.", "upstream_unreachable") from None
         finally:
             CONNECTING.reset(connecting)
         attempt.response = up
@@ -546,7 +545,7 @@ class Proxy:
             body = await _read_bounded(up, MAX_ERROR_BODY)
         else:
             try:
-                body = await limits.read_capped(up, self.cfg.server.max_response_bytes)
+                body = await upstream.read_capped(up, self.cfg.server.max_response_bytes)
             except ResponseTooLarge as e:
                 raise AttemptFailed(limits.RESPONSE_TOO_LARGE, 502, str(e),
                                     limits.RESPONSE_TOO_LARGE, retryable=False) from None

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-import aiohttp
 from aiohttp import web
 
 from gateway.apis.sse import DEFAULT_MAX_EVENT_BYTES, SSEEvent, SSEParser
@@ -34,12 +33,20 @@ from gateway.errors import (
     AttemptFailed,
     ClientGone,
     EventTooLarge,
+    UpstreamLost,
     deadline_failure,
 )
 from gateway.exchange import Exchange
 from gateway.telemetry.tracing import CAPTURE_LIMIT
 from gateway.timeline import now_ns
-from gateway.transport.wire import ClientWire, CoalescedResponse, UpstreamBody, start_response
+from gateway.transport.wire import (
+    ClientWire,
+    CoalescedResponse,
+    UpstreamBody,
+    start_response,
+    write,
+    write_eof,
+)
 
 if TYPE_CHECKING:
     from gateway.apis.base import Api, EventInfo, TokenShape
@@ -281,10 +288,7 @@ class Relay:
         resp = CoalescedResponse(status=self.up.status, headers=self.headers)  # type: ignore[arg-type]
         first, self.held, self.held_bytes = b"".join(self.held), [], 0
         ex.t_committed = now_ns()
-        try:
-            start_response(resp, self.request, first)
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError) as e:
-            raise ClientGone() from e
+        start_response(resp, self.request, first)
         ex.response = resp
         self.wire = ClientWire(self.request, resp)
         self.t_last_write = now_ns()
@@ -332,10 +336,7 @@ class Relay:
                         self.waiter = None
                 if self.drain_asked:
                     self.drain_asked = False
-                    try:
-                        await self._client_wire().drain()
-                    except (ConnectionError, aiohttp.ClientConnectionResetError) as e:
-                        raise ClientGone() from e
+                    await self._client_wire().drain()
                 end = self.end
                 if end is not None:
                     if end is _EOF:
@@ -359,7 +360,7 @@ class Relay:
             outcome = GATEWAY_ERROR if reason == SHUTDOWN else TIMEOUT
             return await self._end_with_error(reason, outcome,
                                               f"The stream was ended: {reason}.")
-        except (TimeoutError, aiohttp.ClientError):
+        except UpstreamLost:
             ex.error_type = "upstream_connection_lost"
         except EventTooLarge as e:
             return await self._too_large(e)
@@ -410,15 +411,5 @@ class Relay:
 
     async def _eof(self) -> web.StreamResponse:
         client = self._client()
-        try:
-            await client.write_eof()
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError) as e:
-            raise ClientGone() from e
+        await write_eof(client)
         return client
-
-
-async def write(resp: web.StreamResponse, data: bytes) -> None:
-    try:
-        await resp.write(data)
-    except (ConnectionResetError, aiohttp.ClientConnectionResetError) as e:
-        raise ClientGone() from e

@@ -26,6 +26,9 @@ import aiohttp
 from aiohttp.client_reqrep import ConnectionKey
 from yarl import URL
 
+from gateway.errors import ResponseTooLarge, UpstreamLost, UpstreamUnreachable
+from gateway.transport.netdiag import describe_connect_error
+
 if TYPE_CHECKING:
     from aiohttp.connector import Connection
 
@@ -110,10 +113,13 @@ def request_bytes(target: Target, headers: Mapping[str, str], body: bytes) -> by
 async def send(connector: aiohttp.BaseConnector, target: Target, headers: Mapping[str, str],
                body: bytes, timeout: aiohttp.ClientTimeout) -> UpstreamResponse:
     """POST `body` to `target` on a pooled connection and wait for the response headers
-    (informational 1xx answers are skipped, as aiohttp skips them). Connect errors and a
-    connection lost before the headers are aiohttp's exceptions (ClientError, TimeoutError)."""
+    (informational 1xx answers are skipped, as aiohttp skips them). A connect error, or a
+    connection lost before the headers, is UpstreamUnreachable: aiohttp's exceptions stop here."""
     data = request_bytes(target, headers, body)
-    conn = await connector.connect(target, [], timeout)  # type: ignore[arg-type]
+    try:
+        conn = await connector.connect(target, [], timeout)  # type: ignore[arg-type]
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        raise UpstreamUnreachable(describe_connect_error(e, target.host, target.port)) from None
     try:
         proto = conn.protocol
         assert proto is not None and proto.transport is not None
@@ -126,6 +132,46 @@ async def send(connector: aiohttp.BaseConnector, target: Target, headers: Mappin
             if not 100 <= message.code < 200 or message.code == 101:
                 break
         return UpstreamResponse(message, payload, conn)
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        conn.close()
+        raise UpstreamUnreachable(describe_connect_error(e, target.host, target.port)) from None
     except BaseException:
         conn.close()
         raise
+
+
+async def read_capped(up: aiohttp.ClientResponse | UpstreamResponse, limit: int) -> bytes:
+    """A whole non-streamed body, decompressed (aiohttp >= 3.13.3 inflates in bounded steps),
+    or ResponseTooLarge as soon as it passes `limit` decompressed bytes; UpstreamLost when the
+    connection is lost before its end."""
+    if up.content_length is not None and not up.headers.get("Content-Encoding") \
+            and up.content_length > limit:
+        raise ResponseTooLarge(limit)
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in up.content.iter_any():
+            size += len(chunk)
+            if size > limit:
+                raise ResponseTooLarge(limit)
+            parts.append(chunk)
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        raise UpstreamLost(str(e) or type(e).__name__) from None
+    return b"".join(parts)
+
+
+async def fetch(session: aiohttp.ClientSession, url: str, timeout_s: float,
+                limit: int = 0) -> tuple[int, bytes]:
+    """GET `url` with one of the replica's sessions (health checks, engine metrics): its status
+    and, with `limit`, its body when the status is 200. A redirect is not followed. Failing to
+    reach it is UpstreamUnreachable, a body lost midway UpstreamLost, one over `limit`
+    ResponseTooLarge."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    try:
+        async with session.get(url, timeout=timeout, allow_redirects=False) as r:
+            body = await read_capped(r, limit) if limit and r.status == 200 else b""
+            return r.status, body
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        parts = URL(url)
+        raise UpstreamUnreachable(describe_connect_error(e, parts.host or "", parts.port)) \
+            from None

@@ -27,8 +27,11 @@ from __future__ import annotations
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
+import aiohttp
 from aiohttp import web
 from aiohttp.streams import StreamReader
+
+from gateway.errors import ClientGone, UpstreamLost
 
 if TYPE_CHECKING:
     from gateway.transport.client import UpstreamResponse
@@ -40,6 +43,21 @@ class BodySink(Protocol):
     def body_data(self, data: bytes) -> None: ...
     def body_eof(self) -> None: ...
     def body_error(self, exc: BaseException) -> None: ...
+
+
+# What aiohttp raises for a client gone mid-write, and for an upstream body cut short: they
+# stop here, as ClientGone and UpstreamLost.
+_CLIENT_RESET = (ConnectionResetError, aiohttp.ClientConnectionResetError)
+_UPSTREAM_LOST = (TimeoutError, aiohttp.ClientError, OSError)
+
+
+def _lost(exc: BaseException) -> BaseException:
+    """An upstream body's failure as the relay sees it: a lost connection is UpstreamLost."""
+    if isinstance(exc, _UPSTREAM_LOST):
+        lost = UpstreamLost(str(exc) or type(exc).__name__)
+        lost.__cause__ = exc
+        return lost
+    return exc
 
 
 # StreamReader has __slots__ (no instance dict), so the hooked reader finds its sink here;
@@ -69,7 +87,7 @@ class _HookedReader(StreamReader):
         super().set_exception(exc, *args, **kwargs)
         sink = _SINKS.get(self)
         if sink is not None:
-            sink.body_error(exc)
+            sink.body_error(_lost(exc))
 
     # Chunk boundaries are only kept for readers of the buffer (iter_chunks); the sink has
     # none, and keeping them would grow a deque by one entry per chunk of a long stream.
@@ -102,7 +120,7 @@ class UpstreamBody:
         content = self.content
         exc = content.exception()
         if exc is not None:
-            sink.body_error(exc)
+            sink.body_error(_lost(exc))
             return
         if type(content) is not StreamReader:  # EMPTY_PAYLOAD: no body at all
             sink.body_eof()
@@ -194,11 +212,29 @@ def start_response(resp: CoalescedResponse, request: web.Request, first: bytes) 
     reads). aiohttp's `prepare` suspends only for on_response_prepare receivers (the gateway
     registers none), compression (never enabled here) or a headers-sent hook (none on the
     server's writer); its writer's `write` only to drain, which `drain=False` skips (the relay
-    checks the client's buffer itself). Raises aiohttp's errors for a client already gone."""
-    run_now(resp.prepare(request))
-    writer = resp._payload_writer
-    assert writer is not None, "prepared"
-    run_now(writer.write(first, drain=False))  # type: ignore[call-arg]
+    checks the client's buffer itself). ClientGone for a client already gone."""
+    try:
+        run_now(resp.prepare(request))
+        writer = resp._payload_writer
+        assert writer is not None, "prepared"
+        run_now(writer.write(first, drain=False))  # type: ignore[call-arg]
+    except _CLIENT_RESET as e:
+        raise ClientGone() from e
+
+
+async def write(resp: web.StreamResponse, data: bytes) -> None:
+    """A write to the client through aiohttp's response (outside the relay's fast path)."""
+    try:
+        await resp.write(data)
+    except _CLIENT_RESET as e:
+        raise ClientGone() from e
+
+
+async def write_eof(resp: web.StreamResponse) -> None:
+    try:
+        await resp.write_eof()
+    except _CLIENT_RESET as e:
+        raise ClientGone() from e
 
 
 class ClientWire:
@@ -234,9 +270,12 @@ class ClientWire:
         return bool(self.protocol.writing_paused)
 
     async def drain(self) -> None:
-        """Wait until the client has taken enough that writing may go on (or its connection
-        is lost: aiohttp raises a connection error)."""
+        """Wait until the client has taken enough that writing may go on; ClientGone when its
+        connection is lost."""
         writer = self.writer
         if writer is not None:
-            await writer.drain()
+            try:
+                await writer.drain()
+            except (ConnectionError, aiohttp.ClientConnectionResetError) as e:
+                raise ClientGone() from e
 

@@ -9,6 +9,8 @@ from collections.abc import Callable
 import aiohttp
 
 from gateway.config import BreakerPolicy
+from gateway.errors import UpstreamUnreachable
+from gateway.transport.client import fetch
 
 log = logging.getLogger("slogate.health")
 
@@ -84,12 +86,11 @@ async def check_forever(url: str, interval_s: float, session: aiohttp.ClientSess
                         report: Callable[[bool], None]) -> None:
     """GET `url` every interval; 2xx is healthy, anything else (or no answer within the
     interval) is not."""
-    timeout = aiohttp.ClientTimeout(total=interval_s)
     while True:
         try:
-            async with session.get(url, timeout=timeout, allow_redirects=False) as r:
-                ok = 200 <= r.status < 300  # a redirect is not followed: unhealthy
-        except (TimeoutError, aiohttp.ClientError, OSError):
+            status, _ = await fetch(session, url, interval_s)
+            ok = 200 <= status < 300  # a redirect is not followed: unhealthy
+        except UpstreamUnreachable:
             ok = False
         report(ok)
         await asyncio.sleep(interval_s)

@@ -142,6 +142,47 @@ def test_no_import_runs_up_a_layer() -> None:
     assert not up, "imports that run up a layer:\n" + "\n".join(up)
 
 
+# What may touch aiohttp's insides outside gateway/transport/: nothing. Its public modules only,
+# no subclass of its classes, no private attribute of anything but the object itself.
+PUBLIC_AIOHTTP = {"aiohttp", "aiohttp.web"}
+STDLIB_PRIVATE = {"_replace", "_asdict", "_fields", "_exit"}  # namedtuple's API, os._exit
+
+
+def test_aiohttp_internals_only_in_the_transport() -> None:
+    found: list[str] = []
+    for path in sorted((ROOT / "gateway").rglob("*.py")):
+        where = str(path.relative_to(ROOT))
+        if where.startswith("gateway/transport/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("aiohttp") \
+                    and node.module not in PUBLIC_AIOHTTP:
+                found.append(f"{where}:{node.lineno} imports {node.module}")
+            elif isinstance(node, ast.Import):
+                found += [f"{where}:{node.lineno} imports {a.name}" for a in node.names
+                          if a.name.startswith("aiohttp") and a.name not in PUBLIC_AIOHTTP]
+            elif isinstance(node, ast.ClassDef):
+                found += [f"{where}:{node.lineno} subclasses {ast.unparse(b)}" for b in node.bases
+                          if ast.unparse(b).split(".")[0] in ("aiohttp", "web")]
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                    and not node.attr.startswith("__") and node.attr not in STDLIB_PRIVATE \
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append(f"{where}:{node.lineno} reads {ast.unparse(node)}")
+    assert not found, "\n".join(found)
+
+
+def test_every_exception_class_is_in_errors() -> None:
+    found = []
+    for path in sorted((ROOT / "gateway").rglob("*.py")):
+        if path.name == "errors.py" and path.parent.name == "gateway":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    ast.unparse(b).endswith(("Exception", "Error")) for b in node.bases):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert not found, "exception classes outside gateway/errors.py:\n" + "\n".join(found)
+
+
 def test_backends_import_nothing_from_the_gateway_and_the_gateway_not_the_simulator() -> None:
     graph = _graph()
     for module, imports in graph.items():

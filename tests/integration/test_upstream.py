@@ -12,6 +12,7 @@ from aiohttp.client_reqrep import ClientRequest
 from multidict import CIMultiDict
 from yarl import URL
 
+from gateway.errors import UpstreamUnreachable
 from gateway.transport import client as upstream
 from gateway.transport.connector import TimedConnector
 
@@ -89,7 +90,7 @@ def test_a_header_with_cr_or_lf_is_refused(name: str, value: str) -> None:
         upstream.request_bytes(target, CIMultiDict({name: value}), b"")
 
 
-async def test_a_connection_lost_before_the_headers_is_aiohttps_error_and_not_pooled() -> None:
+async def test_a_connection_lost_before_the_headers_is_unreachable_and_not_pooled() -> None:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
         writer.close()
@@ -99,7 +100,7 @@ async def test_a_connection_lost_before_the_headers_is_aiohttps_error_and_not_po
     connector = TimedConnector()
     try:
         target = upstream.Target(URL(f"http://127.0.0.1:{port}/v1/x"))
-        with pytest.raises(aiohttp.ServerDisconnectedError):
+        with pytest.raises(UpstreamUnreachable, match="disconnected"):
             await upstream.send(connector, target, CIMultiDict(), b"", TIMEOUT)
         assert sum(len(v) for v in connector._conns.values()) == 0
     finally:

@@ -51,3 +51,11 @@ def scripted_app(script: Sequence[Step] | Callable[[dict[str, Any]], Sequence[St
     return app
 
 
+def tokens(n: int, gap: float) -> list[Step]:
+    """A script of `n` chat chunks ("t0 ", "t1 ", …), each followed by a pause of `gap` s."""
+    out: list[Step] = []
+    for i in range(n):
+        out += [b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+                b'"choices":[{"index":0,"delta":{"content":"t%d "},"finish_reason":null}]}\n\n'
+                % i, gap]
+    return out
