@@ -155,9 +155,9 @@ class GuardedSite(web.TCPSite):
     """A TCPSite whose connections are GuardedHandlers."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int,
-                 policy: ConnectionPolicy, **kwargs: Any) -> None:
+                 guard: ConnectionPolicy, **kwargs: Any) -> None:
         super().__init__(runner, host, port, **kwargs)
-        self.policy = policy
+        self.guard = guard
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site with the runner
@@ -165,10 +165,10 @@ class GuardedSite(web.TCPSite):
         server = self._runner.server
         assert server is not None
         kwargs = dict(server._kwargs)  # what AppRunner passes to every RequestHandler
-        policy = self.policy
+        guard = self.guard
 
         def factory() -> GuardedHandler:
-            return GuardedHandler(server, policy, loop=loop, **kwargs)
+            return GuardedHandler(server, guard, loop=loop, **kwargs)
 
         self._server = await loop.create_server(
             factory, self._host, self._port, ssl=self._ssl_context, backlog=self._backlog,
