@@ -33,9 +33,13 @@ TOTAL = "total_timeout"
 SHUTDOWN = "shutdown"
 
 # -- results of one upstream attempt (upstream_attempts_total{result}); http_<status> too -------
-ATTEMPT_OK = "ok"
+ATTEMPT_OK = "ok"  # the answer reached the client complete
 CONNECT_ERROR = "connect_error"
 CLOSED_BEFORE_FIRST_TOKEN = "closed_before_first_token"
+# ... and of an attempt that reached the client but did not complete (after commit)
+ATTEMPT_CUT = "cut"  # the upstream closed or lost the stream before its end
+ATTEMPT_STALLED = "stalled"  # the idle deadline ended it
+ATTEMPT_IN_BAND_ERROR = "in_band_error"  # the upstream said so in the stream
 
 
 class GatewayError(Exception):

@@ -140,6 +140,10 @@ class Api(ABC):
         """Adjust `body` (a shallow copy of the client's) for this backend in place."""
         return Prepared(changed=False)
 
+    def choices(self, body: dict[str, Any]) -> int:
+        """How many answers the request asks for: each ends with a finish reason of its own."""
+        return 1
+
     @abstractmethod
     def observe(self, event: SSEEvent, route: str) -> EventInfo:
         """What one SSE event of a stream on `route` says. Pure: reads the event only."""

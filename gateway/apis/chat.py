@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from gateway.config import BackendConfig
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+MAX_CHOICES = 128  # OpenAI's own bound on `n`
 _CONTENT = b'"delta":{"content":"'  # the text of the common chunk, in compact JSON
 
 # `error.type` by HTTP status, as OpenAI answers.
@@ -127,6 +128,10 @@ class ChatCompletions(Api):
     family = "openai"
     routes = {CHAT: ("/chat/completions", "chat"),
               COMPLETIONS: ("/completions", "text_completion")}
+
+    def choices(self, body: dict[str, Any]) -> int:
+        n = body.get("n")  # the client's: only a small positive integer counts
+        return n if type(n) is int and 1 <= n <= MAX_CHOICES else 1
 
     def prepare(self, body: dict[str, Any], route: str, stream: bool, backend: BackendConfig,
                 provider: Provider) -> Prepared:

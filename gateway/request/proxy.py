@@ -33,16 +33,21 @@ from gateway.apis import ROUTES
 from gateway.edge import ingress, limits
 from gateway.edge.headers import client_response_headers, upstream_request_headers
 from gateway.errors import (
+    ATTEMPT_CUT,
+    ATTEMPT_IN_BAND_ERROR,
     ATTEMPT_OK,
+    ATTEMPT_STALLED,
     CLIENT_CANCELLED,
     CONNECT_ERROR,
     FIRST_TOKEN,
     GATEWAY_ERROR,
     IDLE,
     OK,
+    SHUTDOWN,
     TIMEOUT,
     TOTAL,
     UPSTREAM_ERROR,
+    UPSTREAM_TRUNCATED,
     AttemptFailed,
     ClientGone,
     GatewayError,
@@ -74,6 +79,9 @@ REQUEST_ID_HEADER = "x-slogate-request-id"
 # Upstream error bodies are passed through; bounded so a misbehaving upstream cannot make us
 # hold an unbounded body.
 MAX_ERROR_BODY = 1024 * 1024
+# An answer complete at its terminal event: how long its connection may take to end its body
+# and go back to the pool (dropped after that: an upstream that lingers is not waited for).
+POOL_GRACE_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,10 +158,11 @@ class Proxy:
                 ex.finish(TIMEOUT, failure.code)
                 ex.status = failure.status
                 return self.error_response(ex, failure.as_gateway_error())
-            ex.cancel_phase = ex.phase()
-            ex.finish(CLIENT_CANCELLED)
-            if ex.attempt is not None:
-                ex.attempt.close()  # the engine must see the disconnect now
+            if ex.outcome is None:  # decided already: the answer was complete (not cancelled)
+                ex.cancel_phase = ex.phase()
+                ex.finish(CLIENT_CANCELLED)
+                if ex.attempt is not None:
+                    ex.attempt.close()  # the engine must see the disconnect now
             raise
         except Exception as e:  # a bug of ours: answer cleanly, keep serving
             ex.finish(GATEWAY_ERROR, type(e).__name__)
@@ -295,7 +304,7 @@ class Proxy:
             if attempt.probe:
                 replica.breaker.release()
             raise
-        self.metrics.child(self.metrics.attempts, (replica.name, ATTEMPT_OK)).inc()
+        self.metrics.child(self.metrics.attempts, (replica.name, committed_result(ex))).inc()
         replica.breaker.success()
         return response
 
@@ -461,8 +470,8 @@ class Proxy:
         if ex.ticket is not None:
             ex.ticket.finish(ex)
         if ex.attempt is not None and ex.attempt.response is not None:
-            if ex.outcome == OK:
-                ex.attempt.response.release()
+            if ex.outcome == OK:  # pooled again once its body ends (it may be still coming)
+                ex.attempt.response.release_at_eof(POOL_GRACE_S)
                 ex.attempt.response = None
             else:
                 ex.attempt.close()
@@ -591,3 +600,22 @@ def retry_after_s(headers: Any) -> float | None:
             return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
         except (TypeError, ValueError):
             return None
+
+
+def committed_result(ex: Exchange) -> str:
+    """What an attempt that answered the client came to (upstream_attempts_total{result}): a
+    complete answer, an upstream error passed through, or how its stream ended early."""
+    if ex.status >= 400:
+        return f"http_{ex.status}"
+    if ex.outcome == OK:
+        return ATTEMPT_OK
+    reason = ex.interruption or ex.error_type
+    if reason == IDLE:
+        return ATTEMPT_STALLED
+    if reason in (TOTAL, SHUTDOWN, limits.EVENT_TOO_LARGE):
+        return reason
+    if ex.outcome == UPSTREAM_TRUNCATED:
+        return ATTEMPT_CUT
+    if ex.outcome == UPSTREAM_ERROR:
+        return ATTEMPT_IN_BAND_ERROR
+    return ex.outcome or ATTEMPT_OK

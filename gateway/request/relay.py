@@ -55,6 +55,15 @@ if TYPE_CHECKING:
 
 HOLD_LIMIT = 64 * 1024
 _EOF = object()  # the body's end, as the sink reports it to the coroutine
+_TERMINAL = object()  # the protocol's terminal event: the answer is complete, whatever follows
+
+
+def complete_at_eof(ex: Exchange, choices: int) -> bool:
+    """A stream that ends without its terminal event (`[DONE]`, `message_stop`) is still a
+    complete answer once every choice has its finish reason and the usage the gateway asked for
+    has come: some servers close without the terminator."""
+    return (len(ex.finish_reasons) >= choices and not ex.error_type
+            and (not ex.usage_injected or ex.completion_tokens is not None))
 PING = b": ping\n\n"
 
 
@@ -204,8 +213,9 @@ class Relay:
         self.body = UpstreamBody(up)
         self.wire: ClientWire | None = None  # after commit
         self.idle_armed = False
+        self.choices = api.choices(ex.parsed)  # answers asked for, each with its finish reason
         # What the sink asks of the coroutine: a drain of the client's buffer (the upstream
-        # paused meanwhile), then the end: _EOF or an exception to raise.
+        # paused meanwhile), then the end: _EOF, _TERMINAL or an exception to raise.
         self.drain_asked = False
         self.end: object = None
         self.waiter: asyncio.Future[None] | None = None
@@ -245,6 +255,10 @@ class Relay:
                     self._finish(EventTooLarge(self.held_bytes + len(self.splicer.pending),
                                                self.max_event_bytes,
                                                "answer without a first token"))
+            if ex.done and self.end is None:
+                # The answer is complete: it ends for the client now, not when the upstream
+                # closes (vLLM and proxies may linger). What it sends after is not relayed.
+                self._finish(_TERMINAL, pause=False)
         except Exception as e:  # EventTooLarge, or a bug of ours: raised by the coroutine, as
             self._finish(e)  # before (never into aiohttp's parser, which would blame the upstream)
         ex.overhead_ns += now_ns() - t
@@ -339,7 +353,7 @@ class Relay:
                     await self._client_wire().drain()
                 end = self.end
                 if end is not None:
-                    if end is _EOF:
+                    if end is _EOF or end is _TERMINAL:
                         return
                     assert isinstance(end, BaseException)
                     raise end
@@ -364,7 +378,7 @@ class Relay:
             ex.error_type = "upstream_connection_lost"
         except EventTooLarge as e:
             return await self._too_large(e)
-        if ex.done:
+        if ex.done or complete_at_eof(ex, self.choices):
             self._commit()
             pending = self.splicer.pending
             if pending:
