@@ -39,9 +39,12 @@ import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
+
+if TYPE_CHECKING:
+    from gateway.admission.controller import AdmissionController
 
 MAGIC = b"SLOGSLT1"
 KEY_BYTES = 64
@@ -210,10 +213,10 @@ class HostLocalState:
         self.remote_work: dict[str, dict[str, Any]] = {}
         self.acquires = 0
         self.rejects = 0
-        self._ctrl: Any = None
+        self._ctrl: AdmissionController | None = None
         self._task: asyncio.Task[None] | None = None
 
-    def attach(self, controller: Any) -> None:
+    def attach(self, controller: AdmissionController) -> None:
         self._ctrl = controller
 
     async def start(self) -> None:

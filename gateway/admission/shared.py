@@ -32,7 +32,7 @@ import os
 import socket
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import orjson
@@ -43,6 +43,10 @@ from redis.exceptions import RedisError
 
 from gateway.config import AdmissionConfig
 from gateway.errors import StaleState
+
+if TYPE_CHECKING:
+    from gateway.admission.controller import AdmissionController
+    from gateway.telemetry.prometheus import Metrics
 
 # No CLIENT SETINFO on connect (redis-py >= 7 takes driver_info=None; older, lib_name=None).
 NO_SETINFO: dict[str, Any] = (
@@ -167,7 +171,7 @@ def redact(url: str) -> str:
 class SharedState:
     """Global per-replica concurrency caps and shared work, with a local fallback."""
 
-    def __init__(self, cfg: AdmissionConfig, metrics: Any = None, *,
+    def __init__(self, cfg: AdmissionConfig, metrics: Metrics | None = None, *,
                  timeout_s: float = 0.05, gid: str | None = None) -> None:
         self.cfg = cfg
         self.metrics = metrics
@@ -193,7 +197,7 @@ class SharedState:
         self.host_held: dict[str, int] = {}  # slots of that table this worker holds
         self._epoch = itertools.count()
         self.epoch = next(self._epoch)
-        self._ctrl: Any = None
+        self._ctrl: AdmissionController | None = None
         self._task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
@@ -215,7 +219,7 @@ class SharedState:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def attach(self, controller: Any) -> None:
+    def attach(self, controller: AdmissionController) -> None:
         """Publish this controller's queued and prefill work with each lease refresh."""
         self._ctrl = controller
 
@@ -450,8 +454,8 @@ class SharedState:
         self._set_gauge()
 
     def _set_gauge(self) -> None:
-        gauge = getattr(self.metrics, "shared_state", None)
-        if gauge is not None:
+        if self.metrics is not None:
+            gauge = self.metrics.shared_state
             gauge.labels(REDIS).set(1 if self.state == REDIS else 0)
             gauge.labels(LOCAL).set(1 if self.state == LOCAL else 0)
 
@@ -514,14 +518,12 @@ class SharedState:
         ctrl = self._ctrl
         if ctrl is None:
             return out
-        queue = getattr(ctrl, "queue", ())
-        out["queue"] = {"requests": len(queue),
-                        "estimated_tokens": round(getattr(ctrl, "queued_tokens", 0.0))}
+        out["queue"] = {"requests": len(ctrl.queue),
+                        "estimated_tokens": round(ctrl.queued_tokens)}
         out["replicas"] = {
-            name: {"prefill_tokens": round(getattr(load, "prefill_tokens", 0.0)),
-                   "prefilling": getattr(load, "prefilling", 0),
-                   "decoding": getattr(load, "decoding", 0)}
-            for name, load in getattr(ctrl, "loads", {}).items()}
+            name: {"prefill_tokens": round(load.prefill_tokens), "prefilling": load.prefilling,
+                   "decoding": load.decoding}
+            for name, load in ctrl.loads.items()}
         return out
 
 

@@ -242,9 +242,10 @@ class ConsoleRecorder:
         self._recent_i = (self._recent_i + 1) % len(self.recent)
 
     @staticmethod
-    def _row(ctx: Any, cls: str, e2e_ns: int, now: float) -> dict[str, Any]:
+    def _row(ctx: Exchange, cls: str, e2e_ns: int, now: float) -> dict[str, Any]:
         trace = ctx.trace
-        return {"request_id": ctx.request_id, "trace_id": getattr(trace, "trace_id", None),
+        return {"request_id": ctx.request_id,
+                "trace_id": trace.trace_id if trace is not None else None,
                 "class": cls, "verdict": ctx.verdict, "outcome": ctx.outcome,
                 "status": ctx.status, "backend": ctx.backend, "model": ctx.model_label,
                 "route": ctx.route, "e2e_ms": round(e2e_ns / 1e6, 2), "at": now,
