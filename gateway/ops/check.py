@@ -65,6 +65,17 @@ def _flat_policy(policy: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def as_written(data: dict[str, Any]) -> dict[str, Any]:
+    """The plain config in the file's own layout (what `load` reads back): policies flattened
+    into [auth] and each key, the SLO classes as top-level [[slo_classes]]."""
+    data = dict(data)
+    data["auth"] = _flat_auth(data["auth"])
+    slo = dict(data["slo"])
+    data["slo_classes"] = list(slo.pop("classes").values())
+    data["slo"] = slo
+    return data
+
+
 def _flat_auth(auth: dict[str, Any]) -> dict[str, Any]:
     """[auth] as written: each key's policy flattened into it; open mode's in [auth] itself."""
     auth = dict(auth)
@@ -156,8 +167,7 @@ def run(path: str) -> int:
         return 2
     finally:
         log.removeHandler(handler)
-    data = plain(cfg)
-    data["auth"] = _flat_auth(data["auth"])
+    data = as_written(plain(cfg))
     sys.stdout.write(to_toml(data))
     print(f"slogate: {path}: config OK ({len(cfg.backends)} backend"
           f"{'s' if len(cfg.backends) != 1 else ''})", file=sys.stderr)

@@ -22,8 +22,12 @@ import aiohttp
 import pytest
 
 from gateway import config
+from gateway.apis import PROVIDERS
+from gateway.edge.auth import AuthPolicy
+from gateway.errors import GatewayError
 from gateway.ops import cli
 from gateway.ops.server import build_app
+from gateway.request.slo import SLOPolicy
 from gateway.transport.netdiag import describe_connect_error, describe_listen_error
 from tests.support.prometheus_server import free_port
 from tests.support.servers import serve_app
@@ -159,6 +163,38 @@ def test_every_example_loads_with_check(example, capsys) -> None:
     resolved = tomllib.loads(capsys.readouterr().out)
     for b in resolved["backends"]:
         assert "*" not in b["models"], f"{example.name}: name the models"
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_what_check_prints_loads_back_as_the_same_config(example, capsys) -> None:
+    """`slogate check` prints the resolved config in the file's own layout: loaded back (its
+    hidden key hashes put back), it is the same config."""
+    assert cli.main(["check", "--config", str(example)]) == 0
+    printed = tomllib.loads(capsys.readouterr().out)
+    original = tomllib.loads(example.read_text())
+    for key, orig in zip(printed["auth"].get("keys", []), original["auth"].get("keys", []),
+                         strict=True):
+        key["sha256"] = orig["sha256"]
+    assert config.parse(printed, env={}, providers=PROVIDERS) == \
+        config.load(str(example), env={}, providers=PROVIDERS)
+
+
+def test_the_multi_replica_examples_keys_may_use_the_classes_it_says() -> None:
+    cfg = config.load(str(ROOT / "gateway/examples/multi-replica.toml"), env={})
+    auth, slo = AuthPolicy(cfg.auth), SLOPolicy(cfg.slo)
+
+    def target(key: str, asked: str | None = None) -> str:
+        headers = {"Authorization": f"Bearer {key}"}
+        policy = auth.policy(auth.authenticate(headers))
+        return slo.target_for("/v1/chat/completions",
+                              {"x-slo-class": asked} if asked else {}, policy).name
+
+    assert target("team-a-example-key") == "interactive"
+    assert target("team-a-example-key", "batch") == "batch"
+    assert target("team-b-example-key") == "batch"
+    with pytest.raises(GatewayError) as e:
+        target("team-b-example-key", "interactive")
+    assert e.value.code == "slo_class_not_allowed"
 
 
 def test_examples_cover_every_provider_family() -> None:
