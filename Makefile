@@ -7,6 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DURATION ?=
 STAMP := $(VENV)/.slogate-installed
+DEMO_STAMP := $(VENV)/.slogate-demo-installed
 
 .PHONY: demo lint test test-fast bench bench-slow bench-goodput bench-workers deploy-generate soak serve sim system-deps clean
 
@@ -16,7 +17,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $@
 
-demo: $(STAMP)
+# The demo needs the runtime and the openai SDK only (not the test and bench extras).
+$(DEMO_STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "make demo: installing slogate and the openai SDK into $(VENV) (once; ~30 s)"
+	@start=$$(date +%s); $(PY) -m pip install -q --upgrade pip && \
+		$(PY) -m pip install -q --progress-bar off -e '.[demo]' && \
+		echo "make demo: installed in $$(( $$(date +%s) - start )) s"
+	@touch $@
+
+demo: $(DEMO_STAMP)
 	$(PY) -m gateway demo $(if $(DURATION),--duration $(DURATION))
 
 # Debian packages the tests drive for real (prometheus, nginx, redis-server, docker-compose,

@@ -9,6 +9,7 @@ import orjson
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
+import gateway
 from gateway.apis import LOCAL_ROUTES, ROUTES, chat, messages
 from gateway.apis.base import Api, Handler
 from gateway.config import Config
@@ -18,6 +19,7 @@ from gateway.errors import GatewayError
 from gateway.exchange import new_request_id
 from gateway.ops.keys import (
     ADMISSION_KEY,
+    CONFIG_KEY,
     DRAINING_KEY,
     METRICS_KEY,
     PROXY_KEY,
@@ -67,10 +69,26 @@ class Routes:
         admin_app.router.add_get("/admin/admission",
                                  with_id(self.admin_only(self.admission_state)))
         admin_app.router.add_get("/admin/backends", with_id(self.admin_only(self.backends_state)))
+        app.router.add_get("/", with_id(self.index))
         app.router.add_get("/healthz", with_id(self.healthz))
         app.router.add_get("/readyz", with_id(self.readyz))
         answer_wrong_methods(app)
         app.router.add_route("*", "/v1/{tail:.*}", with_id(self.not_found))
+
+    async def index(self, request: web.Request) -> web.Response:
+        """What a person who opens the gateway's address finds: where to go next."""
+        cfg = self.app[CONFIG_KEY].server
+        admin = f"the admin listener (port {cfg.admin_port})" if cfg.admin_port else None
+
+        def where(path: str, on_admin: bool) -> str:
+            return f"{path} on {admin}" if on_admin and admin else path
+
+        body = {"service": "slogate", "version": gateway.version(),
+                "console": where("/console", cfg.admin_console),
+                "metrics": where("/metrics", cfg.admin_metrics),
+                "health": "/healthz", "ready": "/readyz", "models": "/v1/models",
+                "api": sorted(ROUTES)}
+        return web.json_response(body, dumps=_dumps)
 
     async def proxied(self, request: web.Request) -> web.StreamResponse:
         return await self.app[PROXY_KEY].handle(request)

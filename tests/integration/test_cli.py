@@ -197,6 +197,26 @@ def test_the_multi_replica_examples_keys_may_use_the_classes_it_says() -> None:
     assert e.value.code == "slo_class_not_allowed"
 
 
+@pytest.mark.parametrize("admin", [False, True])
+async def test_the_gateways_address_says_where_to_go(admin: bool) -> None:
+    """GET / is what a person who opens the gateway's URL sees: the console, the metrics and
+    the API routes (not a bare 404)."""
+    server: dict[str, object] = {"access_log": False}
+    if admin:
+        server.update(admin_port=free_port(), admin_console=True)
+    cfg = config.parse({"auth": {"mode": "open"}, "server": server, "backends": [
+        {"name": "a", "base_url": "http://127.0.0.1:9/v1", "models": ["m"]}]}, env={})
+    async with serve_app(build_app(cfg)) as base, aiohttp.ClientSession() as s:
+        async with s.get(base + "/") as r:
+            assert r.status == 200
+            body = await r.json()
+    assert body["service"] == "slogate" and "/v1/chat/completions" in body["api"]
+    if admin:
+        assert body["console"] == f"/console on the admin listener (port {server['admin_port']})"
+    else:
+        assert body["console"] == "/console" and body["metrics"] == "/metrics"
+
+
 def test_examples_cover_every_provider_family() -> None:
     types = {b.get("type", "openai")
              for p in EXAMPLES for b in tomllib.loads(p.read_text())["backends"]}
