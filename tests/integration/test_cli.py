@@ -289,13 +289,19 @@ def test_connect_and_listen_errors_in_words() -> None:
 
 
 def test_demo_prints_the_console_url_first_and_a_progress_line() -> None:
-    port, sim_port = free_port(), free_port()
-    r = slogate("demo", "--duration", "3", "--port", str(port), "--sim-port", str(sim_port),
-                "--concurrency", "2", timeout=90)
+    port = free_port()
+    with socket.socket() as taken:  # the simulator's port is someone else's: the demo says so
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        sim_port = taken.getsockname()[1]
+        r = slogate("demo", "--duration", "3", "--port", str(port), "--sim-port", str(sim_port),
+                    "--concurrency", "2", timeout=90)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.splitlines()
     assert lines[0] == (f"slogate demo: live console at http://127.0.0.1:{port}/console "
                         "(open it in a browser now)")
+    assert lines[1].startswith(f"slogate demo: port {sim_port} is taken; the simulator "
+                               "listens on ")
     progress = [line for line in lines if line.startswith("  load ")]
     assert progress and "requests" in progress[-1] and "req/s" in progress[-1]
 
