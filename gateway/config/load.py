@@ -106,7 +106,8 @@ def _parse(raw: dict[str, Any], providers: Collection[str]) -> Config:
     unknown = set(raw) - sections
     if unknown:
         key = sorted(unknown)[0]
-        raise ConfigError(key, raw[key], "one of the sections " + ", ".join(sorted(sections)))
+        raise ConfigError(key, raw[key], "one of the sections " + ", ".join(sorted(sections))
+                          + _did_you_mean(key, sections))
     default_timeouts = _timeouts("timeouts", raw.get("timeouts", {}), Timeouts())
     server = _server(raw.get("server", {}))
     telemetry = _telemetry(raw.get("telemetry", {}))
@@ -209,10 +210,16 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str],
     return raw
 
 
+def _did_you_mean(key: str, known: set[str]) -> str:
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
 def _check_keys(where: str, table: dict[str, Any], allowed: set[str]) -> None:
     for key in table:
         if key not in allowed:
-            raise ConfigError(f"{where}.{key}", table[key], f"one of the keys {sorted(allowed)}")
+            raise ConfigError(f"{where}.{key}", table[key], f"one of the keys {sorted(allowed)}"
+                              + _did_you_mean(str(key), allowed))
 
 
 def _typed(where: str, table: dict[str, Any], key: str, kind: type[Any], default: Any,

@@ -169,8 +169,9 @@ async def drain(app: web.Application, timeout_s: float) -> None:
     while proxy.active and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.05)
     if proxy.active:
-        log.warning("drain: ending %d requests still in flight after %.0f s",
-                    len(proxy.active), timeout_s)
+        n = len(proxy.active)
+        log.warning("drain: ending %d request%s still in flight after %.0f s",
+                    n, "" if n == 1 else "s", timeout_s)
         proxy.end_all(SHUTDOWN)
         while proxy.active:
             await asyncio.sleep(0.01)

@@ -44,6 +44,20 @@ def test_errors_name_key_value_and_expectation(raw, key, fragment) -> None:
     assert key in str(e.value)
 
 
+@pytest.mark.parametrize("raw,key,hint", [
+    ({"backends": [BACKEND], "sever": {}}, "sever", "did you mean 'server'?"),
+    ({"server": {"prot": 80}, "backends": [BACKEND]}, "server.prot", "did you mean 'port'?"),
+    ({"backends": [{**BACKEND, "modles": ["m"]}]}, "backends[0].modles",
+     "did you mean 'models'?"),
+    ({"server": {"zzz": 1}, "backends": [BACKEND]}, "server.zzz", None),
+])
+def test_a_mistyped_key_gets_a_did_you_mean(raw, key, hint) -> None:
+    with pytest.raises(config.ConfigError) as e:
+        config.parse(raw)
+    assert e.value.key == key
+    assert (hint in str(e.value)) if hint else "did you mean" not in str(e.value)
+
+
 def test_environment_overrides() -> None:
     env = {"SLOGATE_SERVER_PORT": "9001", "SLOGATE_SERVER_COMMIT": "headers",
            "SLOGATE_BACKEND_VLLM_A_BASE_URL": "http://10.1.2.3:8000/v1",
