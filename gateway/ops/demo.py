@@ -120,7 +120,9 @@ async def drive_load(base_url: str, seconds: float, concurrency: int,
             if rec:
                 results.append(rec)
 
-    reporter = asyncio.create_task(_progress(results, start, seconds)) if progress else None
+    shown: list[str] = []  # the progress lines printed so far
+    reporter = asyncio.create_task(_progress(results, start, seconds, shown)) \
+        if progress else None
     try:
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
     finally:
@@ -128,14 +130,14 @@ async def drive_load(base_url: str, seconds: float, concurrency: int,
             reporter.cancel()
         await client.close()
     if progress:
-        _progress_line(results, start, seconds, final=True)
+        _progress_line(results, start, seconds, shown, final=True)
     return results
 
 
 def _progress_line(results: list[dict[str, Any]], start: float, seconds: float,
-                   final: bool = False) -> None:
+                   shown: list[str], final: bool = False) -> None:
     """One status line: rewritten in place on a terminal, a new line every few seconds
-    otherwise (logs, CI)."""
+    otherwise (logs, CI), never the same line twice."""
     elapsed = min(seconds, time.monotonic() - start)
     ttfts = [r["ttft"] for r in results[-200:]]
     ttft = f" · TTFT p50 {_pct(ttfts, .5):.0f} ms p99 {_pct(ttfts, .99):.0f} ms" if ttfts else ""
@@ -143,15 +145,17 @@ def _progress_line(results: list[dict[str, Any]], start: float, seconds: float,
             f"{len(results) / max(elapsed, 1e-3):.1f} req/s{ttft}")
     if sys.stdout.isatty():
         print("\r" + line.ljust(79), end="\n" if final else "", flush=True)
-    else:
+    elif not shown or shown[-1] != line:
         print(line, flush=True)
+    shown.append(line)
 
 
-async def _progress(results: list[dict[str, Any]], start: float, seconds: float) -> None:
+async def _progress(results: list[dict[str, Any]], start: float, seconds: float,
+                    shown: list[str]) -> None:
     interval = 0.5 if sys.stdout.isatty() else 2.0
     while True:
         await asyncio.sleep(interval)
-        _progress_line(results, start, seconds)
+        _progress_line(results, start, seconds, shown)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -198,7 +202,9 @@ async def main(duration: float | None, port: int, sim_port: int, concurrency: in
         await wait_ready(f"http://127.0.0.1:{sim_port}/health", sim.poll)
         await wait_ready(f"http://127.0.0.1:{port}/readyz", lambda: gw.returncode)
         base = f"http://127.0.0.1:{port}/v1"
-        load_s = 10.0 if duration is None else max(2.0, min(10.0, duration / 2))
+        # With a duration, load for all of it but the second the summary takes.
+        load_s = 10.0 if duration is None else \
+            max(2.0, duration - (time.monotonic() - started) - 1.0)
         print(f"slogate demo: simulator on :{sim_port}, gateway on :{port}; "
               f"{concurrency} openai-SDK clients streaming for {load_s:.0f} s ...", flush=True)
         results = await drive_load(base, load_s, concurrency, progress=True)

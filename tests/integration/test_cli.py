@@ -304,6 +304,7 @@ def test_demo_prints_the_console_url_first_and_a_progress_line() -> None:
                                "listens on ")
     progress = [line for line in lines if line.startswith("  load ")]
     assert progress and "requests" in progress[-1] and "req/s" in progress[-1]
+    assert len(set(progress)) == len(progress)  # no line printed twice
 
 
 def test_make_clean_removes_what_make_created() -> None:
