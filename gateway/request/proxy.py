@@ -79,9 +79,6 @@ REQUEST_ID_HEADER = "x-slogate-request-id"
 # Upstream error bodies are passed through; bounded so a misbehaving upstream cannot make us
 # hold an unbounded body.
 MAX_ERROR_BODY = 1024 * 1024
-# An answer complete at its terminal event: how long its connection may take to end its body
-# and go back to the pool (dropped after that: an upstream that lingers is not waited for).
-POOL_GRACE_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -470,8 +467,8 @@ class Proxy:
         if ex.ticket is not None:
             ex.ticket.finish(ex)
         if ex.attempt is not None and ex.attempt.response is not None:
-            if ex.outcome == OK:  # pooled again once its body ends (it may be still coming)
-                ex.attempt.response.release_at_eof(POOL_GRACE_S)
+            if ex.outcome == OK:  # pooled (closed instead if its body did not end: lingered)
+                ex.attempt.response.release()
                 ex.attempt.response = None
             else:
                 ex.attempt.close()

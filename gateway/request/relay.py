@@ -55,7 +55,10 @@ if TYPE_CHECKING:
 
 HOLD_LIMIT = 64 * 1024
 _EOF = object()  # the body's end, as the sink reports it to the coroutine
-_TERMINAL = object()  # the protocol's terminal event: the answer is complete, whatever follows
+_LINGERED = object()  # the upstream did not end its body within TERMINAL_GRACE_S of its end
+# After the protocol's terminal event the upstream should end its body at once (and its
+# connection goes back to the pool); one that lingers is not waited for longer than this.
+TERMINAL_GRACE_S = 0.25
 
 
 def complete_at_eof(ex: Exchange, choices: int) -> bool:
@@ -215,9 +218,10 @@ class Relay:
         self.idle_armed = False
         self.choices = api.choices(ex.parsed)  # answers asked for, each with its finish reason
         # What the sink asks of the coroutine: a drain of the client's buffer (the upstream
-        # paused meanwhile), then the end: _EOF, _TERMINAL or an exception to raise.
+        # paused meanwhile), then the end: _EOF, _LINGERED or an exception to raise.
         self.drain_asked = False
         self.end: object = None
+        self.linger: asyncio.TimerHandle | None = None  # from the terminal event on
         self.waiter: asyncio.Future[None] | None = None
 
     # -- the sink: called from inside the upstream protocol's callbacks, never awaits ---------
@@ -255,13 +259,22 @@ class Relay:
                     self._finish(EventTooLarge(self.held_bytes + len(self.splicer.pending),
                                                self.max_event_bytes,
                                                "answer without a first token"))
-            if ex.done and self.end is None:
-                # The answer is complete: it ends for the client now, not when the upstream
-                # closes (vLLM and proxies may linger). What it sends after is not relayed.
-                self._finish(_TERMINAL, pause=False)
+            if ex.done and self.linger is None:
+                self._terminal()
         except Exception as e:  # EventTooLarge, or a bug of ours: raised by the coroutine, as
             self._finish(e)  # before (never into aiohttp's parser, which would blame the upstream)
         ex.overhead_ns += now_ns() - t
+
+    def _terminal(self) -> None:
+        """The protocol's terminal event: the answer is complete, and its outcome and e2e are
+        decided here (a client that leaves from now on did not cancel it). The upstream has
+        TERMINAL_GRACE_S to end its body, as it should at once."""
+        ex = self.ex
+        if ex.error_type:  # an in-band error followed by [DONE] (vLLM) is still a failure
+            ex.interruption = "upstream_error"
+        ex.finish(UPSTREAM_ERROR if ex.error_type else OK)
+        self.linger = asyncio.get_running_loop().call_later(
+            TERMINAL_GRACE_S, self._finish, _LINGERED, False)
 
     def body_eof(self) -> None:
         self._finish(_EOF, pause=False)
@@ -333,6 +346,8 @@ class Relay:
         finally:
             if pinger is not None:
                 pinger.cancel()
+            if self.linger is not None:
+                self.linger.cancel()
 
     async def _pump(self) -> None:
         """Serve the sink's requests until the body ends; raise what ended it, if anything
@@ -353,7 +368,7 @@ class Relay:
                     await self._client_wire().drain()
                 end = self.end
                 if end is not None:
-                    if end is _EOF or end is _TERMINAL:
+                    if end is _EOF or end is _LINGERED:
                         return
                     assert isinstance(end, BaseException)
                     raise end
@@ -369,6 +384,8 @@ class Relay:
             reason = self.watchdog.claim()
             if reason is None:
                 raise  # the client went away
+            if ex.outcome is not None:  # a deadline while the upstream lingered: it is over
+                return await self._eof()
             if not ex.t_committed:
                 raise deadline_failure(reason) from None
             outcome = GATEWAY_ERROR if reason == SHUTDOWN else TIMEOUT
@@ -383,10 +400,7 @@ class Relay:
             pending = self.splicer.pending
             if pending:
                 await write(self._client(), pending)
-            # An in-band error followed by [DONE] (vLLM) is still a failed request.
-            if ex.error_type:
-                ex.interruption = "upstream_error"
-            ex.finish(UPSTREAM_ERROR if ex.error_type else OK)
+            ex.finish(OK)  # complete at EOF (at the terminal event, decided there)
             return await self._eof()
         if not ex.t_committed:
             raise AttemptFailed(CLOSED_BEFORE_FIRST_TOKEN, 502, "The upstream closed the "

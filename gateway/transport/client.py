@@ -19,7 +19,6 @@ What `TCPConnector.connect` reads of a request for a direct connection (no proxy
 """
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -97,22 +96,6 @@ class UpstreamResponse:
         conn, self.connection = self.connection, None
         if conn is not None:
             conn.close()
-
-    def release_at_eof(self, grace_s: float) -> None:
-        """Back to the pool once the body has ended: an answer complete at its terminal event
-        may still have the end of its body on the way (or an upstream that lingers before it
-        closes). Dropped if that end has not come within `grace_s`."""
-        content = self.content
-        if type(content) is not aiohttp.StreamReader or content.is_eof():
-            self.release()
-            return
-        timer = asyncio.get_running_loop().call_later(grace_s, self.close)
-
-        def ended() -> None:
-            timer.cancel()
-            self.release()
-
-        content.on_eof(ended)
 
 
 def request_bytes(target: Target, headers: Mapping[str, str], body: bytes) -> bytes:
