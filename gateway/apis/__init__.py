@@ -1,8 +1,8 @@
 """The route table and the provider table: the only place that lists API adapters and
 backend flavours (gateway/apis/base.py says what each must do).
 
-Adding a provider: write its module (a `Provider`, plus timing readers if it reports any) and
-add one line to PROVIDERS. Adding a client API: write its `Api` and add it to APIS.
+Adding a provider: write its module (a `Provider`, with its timing reader if its streams report
+timings) and add one line to PROVIDERS. Adding a client API: write its `Api` and add it to APIS.
 """
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ PROVIDERS: Mapping[str, Provider] = {
     "cerebras": cerebras.PROVIDER,
     "vllm": vllm.PROVIDER,
 }
+
+
+# The chat family's usage chunks carry whichever provider's timings (chat.TIMINGS).
+chat.TIMINGS[:] = [p.timing for p in PROVIDERS.values() if p.timing is not None]
 
 
 def _routes() -> dict[str, tuple[Api, str, str]]:

@@ -193,6 +193,9 @@ class Api(ABC):
 
 
 Handler = Callable[["web.Request"], Awaitable["web.StreamResponse"]]
+# A provider's own timing fields in a usage chunk or a whole response: its timing and the
+# table holding the token counts next to it (None: the chunk has no such fields).
+TimingReader = Callable[[dict[str, Any]], "tuple[ProviderTiming, Any] | None"]
 
 
 @dataclass(frozen=True)
@@ -210,6 +213,8 @@ class Provider:
     mirrored_routes: Mapping[str, str] = field(default_factory=dict)
     # path -> (method, handler): requests the gateway answers itself for this provider's SDK
     local_routes: Mapping[str, tuple[str, Handler]] = field(default_factory=dict)
+    # the timings it reports in its streams (Groq x_groq, Cerebras time_info, vLLM metrics)
+    timing: TimingReader | None = None
 
     def auth_headers(self, api_key: str) -> dict[str, str]:
         if self.auth_header.lower() == "authorization":

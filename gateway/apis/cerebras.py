@@ -28,5 +28,5 @@ async def tcp_warming(request: web.Request) -> web.StreamResponse:
     return web.Response(text="")
 
 
-PROVIDER = Provider(name="cerebras", family="openai", usage_in_every_stream=True,
+PROVIDER = Provider(name="cerebras", family="openai", usage_in_every_stream=True, timing=timing,
                     local_routes={"/v1/tcp_warming": ("GET", tcp_warming)})

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from gateway.apis import cerebras, groq, vllm
 from gateway.apis.base import (
     DONE,
     NOTHING,
@@ -21,6 +20,7 @@ from gateway.apis.base import (
     EventInfo,
     Prepared,
     Provider,
+    TimingReader,
     TokenShape,
     bounded,
     cache_details,
@@ -94,6 +94,11 @@ def _error_type(err: Any) -> str:
     return "upstream_error"
 
 
+# Every provider's timing reader (gateway/apis/__init__.py fills it from the provider table):
+# a generic OpenAI-compatible backend may be any of them, and its chunks say which.
+TIMINGS: list[TimingReader] = []
+
+
 def _facts(obj: dict[str, Any], *, token: bool = False, visible: bool = False,
            usage_only: bool = False, finish: tuple[str, ...] = ()) -> EventInfo:
     """Usage (with the prompt-cache split), ids and provider timings of a chunk or a whole
@@ -101,15 +106,14 @@ def _facts(obj: dict[str, Any], *, token: bool = False, visible: bool = False,
     usage = obj.get("usage")
     prompt, completion = usage_of(usage)
     timing = None
-    if completion is not None or "x_groq" in obj or "time_info" in obj or "metrics" in obj:
-        found = groq.timing(obj) or cerebras.timing(obj)
+    for read in TIMINGS:  # a few chunks per stream come here: the first, the last, usage
+        found = read(obj)
         if found is not None:
             timing, table = found
-            if completion is None:  # Groq's streamed usage lives in x_groq.usage
+            if completion is None and table is not None:  # Groq's streamed usage: x_groq.usage
                 prompt, completion = usage_of(table)
                 usage = table
-        else:
-            timing = vllm.timing(obj)
+            break
     # OpenAI, vLLM (--enable-prompt-tokens-details), Groq and Cerebras:
     # usage.prompt_tokens_details.cached_tokens (a part of prompt_tokens). Groq's non-streamed
     # x_groq.usage holds hardware cache statistics (dram/sram), which are not prompt caching.

@@ -35,5 +35,5 @@ def timing(obj: dict[str, Any]) -> tuple[ProviderTiming, Any] | None:
     return None
 
 
-PROVIDER = Provider(name="groq", family="openai", usage_in_every_stream=True,
+PROVIDER = Provider(name="groq", family="openai", usage_in_every_stream=True, timing=timing,
                     mirrored_routes={"/openai/v1/chat/completions": "/v1/chat/completions"})

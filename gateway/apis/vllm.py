@@ -14,7 +14,7 @@ from typing import Any
 from gateway.apis.base import Provider, ProviderTiming, seconds
 
 
-def timing(obj: dict[str, Any]) -> ProviderTiming | None:
+def timing(obj: dict[str, Any]) -> tuple[ProviderTiming, Any] | None:
     """`metrics.queue_time_ms` and `time_to_first_token_ms`, both counted from arrival, so TTFT
     minus queue is its prefill; its generation_time_ms is not clearly decode-only, so it is not
     used."""
@@ -27,7 +27,7 @@ def timing(obj: dict[str, Any]) -> ProviderTiming | None:
     ttft_ms = seconds(metrics.get("time_to_first_token_ms"))
     prefill = (ttft_ms - queue_ms) / 1e3 if ttft_ms is not None and ttft_ms >= queue_ms else None
     return ProviderTiming(queue_s=queue_ms / 1e3, prefill_s=prefill,
-                          prefill_inferred=prefill is not None)
+                          prefill_inferred=prefill is not None), None
 
 
-PROVIDER = Provider(name="vllm", family="openai", usage_when_stream_options=True)
+PROVIDER = Provider(name="vllm", family="openai", usage_when_stream_options=True, timing=timing)
