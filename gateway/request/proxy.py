@@ -53,6 +53,7 @@ from gateway.errors import (
     GatewayError,
     RateLimited,
     ResponseTooLarge,
+    UpstreamLost,
     UpstreamUnreachable,
     deadline_failure,
 )
@@ -533,7 +534,7 @@ class Proxy:
                                 up: UpstreamResponse) -> AttemptFailed:
         """A 429/5xx before anything was committed: worth another attempt, unless the upstream
         asks for a longer wait than we may spend. A rate limit says nothing about health."""
-        body = await _read_bounded(up, MAX_ERROR_BODY)
+        body = await upstream.read_head(up, MAX_ERROR_BODY)
         headers = dict(client_response_headers(up.headers, event_stream=False,
                                                extra=((REQUEST_ID_HEADER, ex.request_id),)))
         retry_after = retry_after_s(up.headers)
@@ -548,13 +549,17 @@ class Proxy:
         """A response that is not an event stream (non-stream answer or an upstream error):
         read it whole and pass status, headers and body through."""
         if up.status >= 400:
-            body = await _read_bounded(up, MAX_ERROR_BODY)
+            body = await upstream.read_head(up, MAX_ERROR_BODY)
         else:
             try:
                 body = await upstream.read_capped(up, self.cfg.server.max_response_bytes)
             except ResponseTooLarge as e:
                 raise AttemptFailed(limits.RESPONSE_TOO_LARGE, 502, str(e),
                                     limits.RESPONSE_TOO_LARGE, retryable=False) from None
+            except UpstreamLost:  # nothing reached the client yet: another replica may answer
+                raise AttemptFailed(ATTEMPT_CUT, 502, f"Backend '{ex.backend}' closed the "
+                                    "connection before the end of its answer.",
+                                    "upstream_response_truncated") from None
         # No token stamps: a whole answer has no first token (it is measured by e2e), and an
         # error answer never has one.
         if up.status < 400:
@@ -566,17 +571,6 @@ class Proxy:
             ex.finish(UPSTREAM_ERROR, str(up.status))
         headers = client_response_headers(up.headers, event_stream=False, extra=extra)
         return web.Response(status=up.status, body=body, headers=headers)
-
-
-async def _read_bounded(up: UpstreamResponse, limit: int) -> bytes:
-    """The body's first `limit` bytes (an error answer passed through)."""
-    parts, size = [], 0
-    async for chunk in up.content.iter_any():
-        parts.append(chunk)
-        size += len(chunk)
-        if size >= limit:
-            break
-    return b"".join(parts)[:limit]
 
 
 def retry_after_s(headers: Any) -> float | None:

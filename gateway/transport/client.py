@@ -160,6 +160,22 @@ async def read_capped(up: aiohttp.ClientResponse | UpstreamResponse, limit: int)
     return b"".join(parts)
 
 
+async def read_head(up: UpstreamResponse, limit: int) -> bytes:
+    """The body's first `limit` bytes (an error answer passed through): what came before the
+    connection was lost, if it was."""
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in up.content.iter_any():
+            parts.append(chunk)
+            size += len(chunk)
+            if size >= limit:
+                break
+    except (TimeoutError, aiohttp.ClientError, OSError):
+        pass  # an error answer cut short: what came is all it said
+    return b"".join(parts)[:limit]
+
+
 async def fetch(session: aiohttp.ClientSession, url: str, timeout_s: float,
                 limit: int = 0) -> tuple[int, bytes]:
     """GET `url` with one of the replica's sessions (health checks, engine metrics): its status

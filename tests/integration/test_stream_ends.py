@@ -223,3 +223,45 @@ async def test_attempt_results_say_how_the_attempt_ended(
                           json={"model": "m", "stream": True, "messages": MSG}) as r:
             await r.read()
         assert await attempts(base) == {result: 1}
+
+
+# -- a whole (non-streamed) answer cut short -------------------------------------------------------
+
+async def test_a_whole_answer_cut_short_fails_over(caplog: pytest.LogCaptureFixture) -> None:
+    """The first replica promises 1,000 bytes of JSON and closes after 20: nothing reached the
+    client yet, so the next replica answers (before: a 500 from the gateway)."""
+    caplog.set_level(logging.INFO, logger="slogate.access")
+
+    async def cut(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "application/json",
+                                           "Content-Length": "1000"})
+        await resp.prepare(request)
+        await resp.write(b'{"id":"c","choices":[')
+        assert request.transport is not None
+        request.transport.close()
+        return resp
+
+    cutting = web.Application()
+    cutting.router.add_post("/{tail:.*}", cut)
+    whole = (b'{"id":"c","object":"chat.completion","created":1,"model":"m","choices":[{"index"'
+             b':0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],'
+             b'"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}')
+    good = scripted_app([whole], headers={"Content-Type": "application/json"})
+    async with serve_app(cutting) as bad_url, serve_app(good) as good_url:
+        cfg = config.parse({"auth": {"mode": "open"}, "server": {"access_log": True},
+                            "retry": {"backoff_base_s": 0.0},
+                            "backends": [{"name": "a", "base_url": bad_url + "/v1",
+                                          "models": ["m"]},
+                                         {"name": "b", "base_url": good_url + "/v1",
+                                          "models": ["m"]}]}, env={})
+        async with serve_app(build_app(cfg)) as base:
+            client = AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
+            answers = [await client.chat.completions.create(model="m", messages=MSG)
+                       for _ in range(2)]  # round-robin: one of them meets the cut first
+            await client.close()
+            results = await attempts(base)
+        await wait_until(lambda: len(access_records(caplog)) == 2)
+    assert [a.choices[0].message.content for a in answers] == ["ok", "ok"]
+    assert results["ok"] == 2 and results["cut"] >= 1 and set(results) == {"ok", "cut"}
+    assert all(r["outcome"] == "ok" for r in access_records(caplog))
