@@ -260,8 +260,12 @@ class ConsoleRecorder:
         chart_first = max(first, min(int(self.started / self.slot_s), epoch - 11))
         classes: dict[str, Any] = {}
         names = list(self.targets) + [n for n in self._slots if n not in self.targets]
+        refused_unclassified = 0
         for name in names:
             live = [s for s in self._slots.get(name, ()) if s is not None and s.epoch >= first]
+            if name == UNCLASSIFIED:  # refused before a class: a count, not a class of its own
+                refused_unclassified = sum(s.n for s in live)
+                continue
             live.sort(key=lambda s: s.epoch)
             classes[name] = self._class_view(name, live, chart_first, epoch)
         slow: list[tuple[int, int, dict[str, Any]]] = []
@@ -280,6 +284,7 @@ class ConsoleRecorder:
             "slot_s": self.slot_s,
             "objective": OBJECTIVE,
             "classes": classes,
+            "refused_unclassified": refused_unclassified,
             "slowest": slowest,
             "recent": [self._aged(r, now) for r in recent[:50]],
         }

@@ -111,6 +111,23 @@ def test_window_forgets_old_requests_and_counts_goodput_and_budget() -> None:
     assert snap["classes"]["batch"]["target"] == {"ttft_ms": 20000, "tpot_ms": 200}
 
 
+def test_requests_refused_before_a_class_are_a_count_not_a_class() -> None:
+    """A bad key, body or route is refused before the request has an SLO class: the console
+    counts them, and shows no class card (no class "none", no empty charts) for them."""
+    clock = Clock()
+    rec = ConsoleRecorder(CLASSES, clock=clock)
+    rec.record(fake_ctx(0))
+    for i in range(3):
+        refused = fake_ctx(i + 1, verdict=None)
+        refused.slo, refused.outcome, refused.status = None, "rejected", 401
+        rec.record(refused)
+    snap = rec.snapshot()
+    assert set(snap["classes"]) == {"interactive", "batch"}
+    assert snap["refused_unclassified"] == 3
+    clock.t += 301
+    assert rec.snapshot()["refused_unclassified"] == 0  # the window forgets them too
+
+
 def test_stages_put_a_stall_before_the_first_token_in_first_token() -> None:
     # Groq-style timings: queue and prefill come out of the wait, the rest is the stall.
     ctx = fake_ctx(ttft_ms=1600, queue_s=0.02, prefill_s=0.05, connect_ms=3, gateway_ms=1)

@@ -85,6 +85,8 @@ function renderClasses(s) {
       chart(c.series, ["tpot_p50", "tpot_p99"], tgt.tpot_ms, "TPOT ms"));
     box.append(card);
   }
+  if (s.refused_unclassified) box.append(el("p", {class: "dim", "data-metric": "refused_unclassified",
+    text: `${s.refused_unclassified} requests refused before they had an SLO class (a bad key, body or route)`}));
   $("#window-note").textContent = `(last ${Math.round(s.window_s / 60)} min, ${s.slot_s} s points; goodput objective ${pct(s.objective)})`;
 }
 
