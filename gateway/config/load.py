@@ -22,7 +22,7 @@ import difflib
 import logging
 import os
 import tomllib
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -201,8 +201,8 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str],
                 and key not in key_vars):
             known = [f"SLOGATE_{s.upper()}_{k.upper()}" for s, ks in _ENV_SECTIONS.items()
                      for k in ks] + backend_keys
-            close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
-            hint = (f"did you mean {close[0]}?" if close else
+            close = _closest(key, known, cutoff=0.8)
+            hint = (f"did you mean {close}?" if close else
                     "overrides are SLOGATE_<SECTION>_<KEY> (sections: "
                     f"{', '.join(_ENV_SECTIONS)}) or SLOGATE_BACKEND_<NAME>_<KEY>")
             log.warning("environment variable %s overrides nothing and is ignored; %s",
@@ -210,9 +210,15 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str],
     return raw
 
 
+def _closest(name: str, known: Iterable[str], cutoff: float) -> str | None:
+    """The known name a mistyped one most likely meant (for a "did you mean")."""
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=cutoff)
+    return close[0] if close else None
+
+
 def _did_you_mean(key: str, known: set[str]) -> str:
-    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
-    return f" (did you mean '{close[0]}'?)" if close else ""
+    close = _closest(key, known, cutoff=0.75)
+    return f" (did you mean '{close}'?)" if close else ""
 
 
 def _check_keys(where: str, table: dict[str, Any], allowed: set[str]) -> None:

@@ -178,12 +178,11 @@ def render_table(client: list[dict[str, Any]], gateway: dict[str, dict[str, Any]
 
 async def main(duration: float | None, port: int, sim_port: int, concurrency: int) -> int:
     started = time.monotonic()
-    asked = {"gateway": port, "simulator": sim_port}
+    wanted = (("gateway", port), ("simulator", sim_port))
     port, sim_port = _pick_port(port), _pick_port(sim_port)
     print(f"slogate demo: live console at http://127.0.0.1:{port}/console "
           "(open it in a browser now)", flush=True)
-    for what, want, got in (("gateway", asked["gateway"], port),
-                            ("simulator", asked["simulator"], sim_port)):
+    for (what, want), got in zip(wanted, (port, sim_port), strict=True):
         if got != want:  # the README's URL would reach whatever holds that port
             print(f"slogate demo: port {want} is taken; the {what} listens on {got} instead",
                   flush=True)

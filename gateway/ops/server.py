@@ -120,10 +120,11 @@ async def startup(app: web.Application) -> None:
         if cfg.admission.redis_url:
             from gateway.admission.shared import SharedState  # imports redis only if used
 
-            redis_state = shared = SharedState(cfg.admission, metrics)
+            redis_state = SharedState(cfg.admission, metrics)
             if worker is not None:  # without Redis, the host's share holds host-wide
                 redis_state.host = worker.slot_table()
             await redis_state.start()
+            shared = redis_state
         elif worker is not None:  # caps exact across this host's workers
             shared = worker.host_admission()
             await shared.start()

@@ -21,7 +21,7 @@ def write(ex: Exchange, split: TTFTSplit | None) -> None:
         log.info(orjson.dumps(record(ex, split)).decode())
 
 
-def durations_ms(ex: Exchange) -> dict[str, float]:
+def log_ms(ex: Exchange) -> dict[str, float]:
     """Every duration that applies (gateway/telemetry/durations.py), in ms, plus TPOT, the
     provider-reported stages and the gateway's overhead."""
     out = durations.durations_ms(ex)
@@ -70,7 +70,7 @@ def record(ex: Exchange, split: TTFTSplit | None) -> dict[str, Any]:
         rec["verdict"] = ex.verdict
     if ex.trace is not None:
         rec["trace_id"] = ex.trace.trace_id
-    rec["ms"] = durations_ms(ex)
+    rec["ms"] = log_ms(ex)
     rec["events"] = ex.events
     rec["token_events"] = ex.token_events
     if split is not None:

@@ -39,6 +39,18 @@ MAX_FIELD_SIZE = 8190
 MAX_HEADERS = 128
 
 
+# What aiohttp raises when an upstream cannot be reached or its connection is lost: nothing
+# above the transport sees these (UpstreamUnreachable, UpstreamLost instead).
+UPSTREAM_FAILURES = (TimeoutError, aiohttp.ClientError, OSError)
+
+
+def lost(exc: BaseException) -> UpstreamLost:
+    """A connection lost in the middle of a body, as the gateway names it."""
+    error = UpstreamLost(str(exc) or type(exc).__name__)
+    error.__cause__ = exc
+    return error
+
+
 class Target:
     """One upstream URL as the connector sees a request to it (host, port, TLS: the pool's
     key), and the start of the request written to it, made once per replica and path."""
@@ -118,7 +130,7 @@ async def send(connector: aiohttp.BaseConnector, target: Target, headers: Mappin
     data = request_bytes(target, headers, body)
     try:
         conn = await connector.connect(target, [], timeout)  # type: ignore[arg-type]
-    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+    except UPSTREAM_FAILURES as e:
         raise UpstreamUnreachable(describe_connect_error(e, target.host, target.port)) from None
     try:
         proto = conn.protocol
@@ -132,7 +144,7 @@ async def send(connector: aiohttp.BaseConnector, target: Target, headers: Mappin
             if not 100 <= message.code < 200 or message.code == 101:
                 break
         return UpstreamResponse(message, payload, conn)
-    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+    except UPSTREAM_FAILURES as e:
         conn.close()
         raise UpstreamUnreachable(describe_connect_error(e, target.host, target.port)) from None
     except BaseException:
@@ -155,8 +167,8 @@ async def read_capped(up: aiohttp.ClientResponse | UpstreamResponse, limit: int)
             if size > limit:
                 raise ResponseTooLarge(limit)
             parts.append(chunk)
-    except (TimeoutError, aiohttp.ClientError, OSError) as e:
-        raise UpstreamLost(str(e) or type(e).__name__) from None
+    except UPSTREAM_FAILURES as e:
+        raise lost(e) from None
     return b"".join(parts)
 
 
@@ -171,7 +183,7 @@ async def read_head(up: UpstreamResponse, limit: int) -> bytes:
             size += len(chunk)
             if size >= limit:
                 break
-    except (TimeoutError, aiohttp.ClientError, OSError):
+    except UPSTREAM_FAILURES:
         pass  # an error answer cut short: what came is all it said
     return b"".join(parts)[:limit]
 
@@ -187,7 +199,7 @@ async def fetch(session: aiohttp.ClientSession, url: str, timeout_s: float,
         async with session.get(url, timeout=timeout, allow_redirects=False) as r:
             body = await read_capped(r, limit) if limit and r.status == 200 else b""
             return r.status, body
-    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+    except UPSTREAM_FAILURES as e:
         parts = URL(url)
         raise UpstreamUnreachable(describe_connect_error(e, parts.host or "", parts.port)) \
             from None

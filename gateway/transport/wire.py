@@ -25,16 +25,14 @@ behaviour this relies on, so that an aiohttp upgrade that changes it fails there
 from __future__ import annotations
 
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
 from aiohttp.streams import StreamReader
 
-from gateway.errors import ClientGone, UpstreamLost
-
-if TYPE_CHECKING:
-    from gateway.transport.client import UpstreamResponse
+from gateway.errors import ClientGone
+from gateway.transport.client import UPSTREAM_FAILURES, UpstreamResponse, lost
 
 
 class BodySink(Protocol):
@@ -45,19 +43,13 @@ class BodySink(Protocol):
     def body_error(self, exc: BaseException) -> None: ...
 
 
-# What aiohttp raises for a client gone mid-write, and for an upstream body cut short: they
-# stop here, as ClientGone and UpstreamLost.
+# What aiohttp raises for a client gone mid-write: it stops here, as ClientGone.
 _CLIENT_RESET = (ConnectionResetError, aiohttp.ClientConnectionResetError)
-_UPSTREAM_LOST = (TimeoutError, aiohttp.ClientError, OSError)
 
 
 def _lost(exc: BaseException) -> BaseException:
     """An upstream body's failure as the relay sees it: a lost connection is UpstreamLost."""
-    if isinstance(exc, _UPSTREAM_LOST):
-        lost = UpstreamLost(str(exc) or type(exc).__name__)
-        lost.__cause__ = exc
-        return lost
-    return exc
+    return lost(exc) if isinstance(exc, UPSTREAM_FAILURES) else exc
 
 
 # StreamReader has __slots__ (no instance dict), so the hooked reader finds its sink here;
