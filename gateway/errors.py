@@ -40,6 +40,8 @@ CLOSED_BEFORE_FIRST_TOKEN = "closed_before_first_token"
 ATTEMPT_CUT = "cut"  # the upstream closed or lost the stream before its end
 ATTEMPT_STALLED = "stalled"  # the idle deadline ended it
 ATTEMPT_IN_BAND_ERROR = "in_band_error"  # the upstream said so in the stream
+# ... and of one that failed before commit for the request's size: a larger model may serve it
+ATTEMPT_CONTEXT_LENGTH = "context_length"
 
 
 class GatewayError(Exception):
@@ -109,6 +111,13 @@ class AttemptFailed(Exception):
         self.response = response
         # False when the failure says nothing about the replica's health (a rate limit).
         self.judges_backend = judges_backend
+
+    def as_record(self) -> AttemptFailed:
+        """This failure as plain data, to keep on the exchange: without its traceback and the
+        exception it replaced, which would pin the frames and read buffers of the attempt
+        (a flooded upstream's megabytes) and make a cycle through the exchange."""
+        self.__traceback__ = self.__context__ = self.__cause__ = None
+        return self
 
     def as_gateway_error(self) -> GatewayError:
         """The gateway's own answer for this failure, when no upstream answer passes through."""

@@ -99,7 +99,7 @@ class Exchange:
         "on_first_token",
         # the phases' working state
         "api", "operation", "key", "body", "parsed", "attempt", "ticket", "response",
-        "retry_budget_at", "last_failure", "captured_output",
+        "retry_budget_at", "last_failure", "too_long_for", "captured_output",
     )
 
     def __init__(self, route: str, gap_bounds_ns: tuple[int, ...] = ()) -> None:
@@ -168,6 +168,7 @@ class Exchange:
         self.response: web.StreamResponse | None = None  # the client response, once committed
         self.retry_budget_at = 0  # no new attempt starts after this (monotonic ns)
         self.last_failure: AttemptFailed | None = None  # of the latest failed attempt
+        self.too_long_for: list[str] = []  # models that said the prompt exceeds their context
         self.captured_output: list[str] | None = None  # output text, content capture only
 
     def attempt_failed(self, result: str, span: Any) -> None:

@@ -44,7 +44,7 @@ from gateway.config.model import (
     TenantPolicy,
     Timeouts,
 )
-from gateway.errors import ConfigError
+from gateway.errors import ATTEMPT_CONTEXT_LENGTH as CONTEXT_LENGTH, ConfigError
 
 OTLP_PROTOCOLS = ("http/protobuf", "grpc")
 
@@ -124,10 +124,17 @@ def _parse(raw: dict[str, Any], providers: Collection[str]) -> Config:
     auth = _auth(raw.get("auth"), slo.classes)
     retry = _retry(raw.get("retry", {}))
     breaker = _breaker(raw.get("breaker", {}))
-    fallbacks = _fallbacks(raw.get("fallbacks", {}), backends)
+    fallbacks_raw = raw.get("fallbacks", {})
+    by_error: Any = {}
+    if isinstance(fallbacks_raw, dict) and isinstance(fallbacks_raw.get(CONTEXT_LENGTH), dict):
+        fallbacks_raw = dict(fallbacks_raw)
+        by_error = fallbacks_raw.pop(CONTEXT_LENGTH)
+    fallbacks = _fallbacks(fallbacks_raw, backends)
+    context_fallbacks = _fallbacks(by_error, backends, f"fallbacks.{CONTEXT_LENGTH}")
     admission = _admission(raw.get("admission", {}))
     return Config(server=server, backends=backends, auth=auth, retry=retry, breaker=breaker,
-                  fallbacks=fallbacks, admission=admission, telemetry=telemetry, slo=slo)
+                  fallbacks=fallbacks, context_fallbacks=context_fallbacks,
+                  admission=admission, telemetry=telemetry, slo=slo)
 
 
 def _toml_value(text: str) -> Any:
@@ -347,7 +354,9 @@ def _retry(table: Any) -> RetryPolicy:
     return RetryPolicy(max_attempts=attempts, backoff_base_s=seconds("backoff_base_s"),
                        backoff_max_s=seconds("backoff_max_s"),
                        retry_after_cap_s=seconds("retry_after_cap_s"), budget_s=budget,
-                       statuses=tuple(statuses))
+                       statuses=tuple(statuses),
+                       same_replica_first=_typed("retry", table, "same_replica_first", bool,
+                                                 d.same_replica_first, "true or false"))
 
 
 def _breaker(table: Any) -> BreakerPolicy:
@@ -419,12 +428,14 @@ def _tolerance(table: dict[str, Any], default: float) -> float:
     return value
 
 
-def _fallbacks(table: Any,
-               backends: tuple[BackendConfig, ...] = ()) -> dict[str, tuple[str, ...]]:
+def _fallbacks(table: Any, backends: tuple[BackendConfig, ...] = (),
+               where: str = "fallbacks") -> dict[str, tuple[str, ...]]:
     if not isinstance(table, dict) or not all(
             isinstance(v, list) and all(isinstance(m, str) and m for m in v)
             for v in table.values()):
-        raise ConfigError("fallbacks", table, 'a table of model = ["fallback model", ...]')
+        raise ConfigError(where, table, 'a table of model = ["fallback model", ...]'
+                          + (f" (and a [fallbacks.{CONTEXT_LENGTH}] table of the same)"
+                             if where == "fallbacks" else ""))
     if backends and not any(b.wildcard for b in backends):
         # Every model named must be one a backend serves (by name or alias): a typo here
         # would only show the day every replica fails.
@@ -432,7 +443,7 @@ def _fallbacks(table: Any,
         for model, chain in table.items():
             for name in (model, *chain):
                 if name not in served:
-                    raise ConfigError(f"fallbacks.{model}", name,
+                    raise ConfigError(f"{where}.{model}", name,
                                       "a model served by a backend (by name or alias): "
                                       + ", ".join(sorted(served)))
     return {k: tuple(v) for k, v in table.items()}

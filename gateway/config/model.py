@@ -71,6 +71,9 @@ class RetryPolicy:
     budget_s: float = 0.0  # no new attempt starts this long after the request arrived
     #                        (0 = twice the first-token deadline of the request's backend)
     statuses: tuple[int, ...] = (429, 500, 502, 503, 504, 529)
+    # A transient 5xx goes back to the same replica once (after the backoff) before another:
+    # for engines whose 5xx is a passing hiccup and whose prefix cache is worth keeping.
+    same_replica_first: bool = False
 
 
 @dataclass(frozen=True)
@@ -280,6 +283,8 @@ class Config:
     breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
     # model -> models to try, in order, when every replica of it failed before commit
     fallbacks: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # model -> larger-context models for a request it answered "too long for my context"
+    context_fallbacks: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)

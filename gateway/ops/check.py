@@ -67,12 +67,16 @@ def _flat_policy(policy: dict[str, Any]) -> dict[str, Any]:
 
 def as_written(data: dict[str, Any]) -> dict[str, Any]:
     """The plain config in the file's own layout (what `load` reads back): policies flattened
-    into [auth] and each key, the SLO classes as top-level [[slo_classes]]."""
+    into [auth] and each key, the SLO classes as top-level [[slo_classes]], the error-keyed
+    fallbacks as [fallbacks.context_length]."""
     data = dict(data)
     data["auth"] = _flat_auth(data["auth"])
     slo = dict(data["slo"])
     data["slo_classes"] = list(slo.pop("classes").values())
     data["slo"] = slo
+    by_error = data.pop("context_fallbacks")
+    if by_error:
+        data["fallbacks"] = {**data["fallbacks"], "context_length": by_error}
     return data
 
 

@@ -4,16 +4,18 @@ threaded through all of them (Cloudflare Pingora's `ProxyHttp` phases are the mo
     authenticate → classify → read → admit → choose_replica → send_upstream → relay → finish
 
 A failure before commit (connect error, retryable status, first-token deadline, upstream closed
-before the first token) is not a second code path: the failed `Attempt` is recorded on the
-exchange and the request goes back to `choose_replica`, with tenacity's jittered backoff or the
-upstream's Retry-After, within the attempt limit and the retry budget.
+before the first token, an error in band before it, a prompt too long for the model's context)
+is not a second code path: the failed `Attempt` is recorded on the exchange and the request goes
+back to `choose_replica` — at once to a replica or fallback not tried yet, after the upstream's
+Retry-After or a jittered backoff to one already tried — within the attempt limit and the retry
+budget.
 """
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any
@@ -21,18 +23,12 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import orjson
 from aiohttp import web
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_exception,
-    stop_after_attempt,
-    wait_random_exponential,
-)
 
-from gateway.apis import ROUTES
+from gateway.apis import ROUTES, failures
 from gateway.edge import ingress, limits
 from gateway.edge.headers import client_response_headers, upstream_request_headers
 from gateway.errors import (
+    ATTEMPT_CONTEXT_LENGTH,
     ATTEMPT_CUT,
     ATTEMPT_IN_BAND_ERROR,
     ATTEMPT_OK,
@@ -77,6 +73,9 @@ if TYPE_CHECKING:
     from gateway.upstream.routing import Replica, Router
 
 REQUEST_ID_HEADER = "x-slogate-request-id"
+# How a committed answer that did not complete can be the backend's doing (its breaker hears).
+BACKEND_FAULTS = frozenset((ATTEMPT_CUT, ATTEMPT_STALLED, ATTEMPT_IN_BAND_ERROR,
+                            limits.EVENT_TOO_LARGE))
 # Upstream error bodies are passed through; bounded so a misbehaving upstream cannot make us
 # hold an unbounded body.
 MAX_ERROR_BODY = 1024 * 1024
@@ -106,8 +105,6 @@ class Proxy:
         self.tracing = finisher.tracing
         self.hold_until_first_token = cfg.server.commit == "first_token"
         self.active: set[Watchdog] = set()  # requests in flight (for the drain)
-        self._backoff = wait_random_exponential(multiplier=cfg.retry.backoff_base_s,
-                                                max=cfg.retry.backoff_max_s)
 
     def view(self) -> RequestsView:
         in_flight: Counter[str] = Counter()
@@ -243,37 +240,76 @@ class Proxy:
     async def forward(self, ex: Exchange, request: web.Request, watchdog: Watchdog,
                       overrides: DeadlineOverrides) -> web.StreamResponse:
         """choose_replica → send_upstream → relay; after a failed attempt, back to
-        choose_replica (tenacity schedules the retries) until one commits or attempts run
-        out, then the last failure is answered."""
-        try:  # the common case: one attempt, nothing spent on retry machinery
-            return await self.attempt(ex, request, watchdog, overrides)
-        except AttemptFailed as e:
-            if not e.retryable or self.retry.max_attempts == 1:
-                return self.answer_failure(ex, e)
-            first_failure: AttemptFailed | None = e
-        retrying = AsyncRetrying(
-            stop=self._stop(ex), wait=self._wait, reraise=True,
-            retry=retry_if_exception(lambda e: isinstance(e, AttemptFailed) and e.retryable))
-        try:
-            async for try_ in retrying:
-                with try_:
-                    if first_failure is not None:  # attempt 1, already made: tenacity waits
-                        failure, first_failure = first_failure, None
-                        raise failure
-                    ex.attempt_failed(ex.last_failure.result if ex.last_failure else "",
-                                      self.tracing.end_attempt(ex, ex.last_failure.result
-                                                               if ex.last_failure else ""))
-                    return await self.attempt(ex, request, watchdog, overrides)
-        except AttemptFailed as e:
-            return self.answer_failure(ex, e)
-        raise AssertionError("unreachable")  # pragma: no cover
+        choose_replica until one commits or attempts run out, then the last failure is
+        answered. A replica or fallback not tried yet is tried at once: a Retry-After or a
+        backoff is waited for only to go back to one already tried."""
+        prefer: Replica | None = None
+        while True:
+            try:
+                return await self.attempt(ex, request, watchdog, overrides, prefer)
+            except AttemptFailed as e:
+                failure = e.as_record()
+            delay, prefer = self._next_try(ex, failure)
+            if delay is None:
+                return self.answer_failure(ex, failure)
+            ex.attempt_failed(failure.result, self.tracing.end_attempt(ex, failure.result))
+            if delay > 0:
+                await asyncio.sleep(delay)
+
+    def _next_try(self, ex: Exchange, failure: AttemptFailed) -> tuple[float | None,
+                                                                       Replica | None]:
+        """When the next attempt starts (None: there is none) and the replica it should go
+        back to, if any. Within max_attempts and the retry budget: at once to a replica or
+        fallback not tried yet; else, after the upstream's Retry-After (up to
+        retry_after_cap_s) or the jittered backoff, to one already tried. With
+        `same_replica_first`, a transient 5xx goes back to its replica once, after the
+        backoff."""
+        retry = self.retry
+        attempts = len(ex.attempts) + 1
+        if not failure.retryable or attempts >= retry.max_attempts:
+            return None, None
+        if failure.result == ATTEMPT_CONTEXT_LENGTH:  # only a larger model may serve it
+            ex.too_long_for.append(ex.served_model or ex.model or "")
+            return (0.0 if self._untried(ex) else None), None
+        assert ex.attempt is not None
+        replica = ex.attempt.replica
+        delay = 0.0
+        prefer = None
+        if (retry.same_replica_first and failure.status >= 500 and failure.judges_backend
+                and not any(a.replica is replica for a in ex.attempts)):
+            delay, prefer = self._backoff_s(attempts), replica
+        elif not self._untried(ex):
+            after = failure.retry_after_s
+            if after is not None and after > retry.retry_after_cap_s:
+                return None, None  # longer than we may wait, and nowhere else to go
+            delay = self._backoff_s(attempts) if after is None else after
+        if now_ns() + int(delay * 1e9) >= ex.retry_budget_at:
+            return None, None
+        return delay, prefer
+
+    def _backoff_s(self, attempts: int) -> float:
+        """Jittered exponential: random in [0, base × 2^(n-1)], capped (full jitter)."""
+        return random.uniform(0.0, min(self.retry.backoff_max_s,
+                                       self.retry.backoff_base_s * 2 ** (attempts - 1)))
+
+    def _untried(self, ex: Exchange) -> bool:
+        """Is there a replica not tried yet, of the model or a fallback, that would take this
+        request now?"""
+        api = self._api(ex)
+        tried = [a.replica for a in ex.attempts]
+        if ex.attempt is not None:
+            tried.append(ex.attempt.replica)
+        return any(r not in tried and r.healthy and r.available() and self._may_send(ex, m, r)
+                   for m in self._model_chain(ex) for r in self.router.replicas_for(m, api.family))
 
     async def attempt(self, ex: Exchange, request: web.Request, watchdog: Watchdog,
-                      overrides: DeadlineOverrides) -> web.StreamResponse:
+                      overrides: DeadlineOverrides,
+                      prefer: Replica | None = None) -> web.StreamResponse:
         """One upstream attempt: choose a replica, send, relay. Its failure before commit is
         counted against the replica (when it says something about the replica's health) and
-        raised as AttemptFailed."""
-        attempt = self.choose_replica(ex, overrides)
+        raised as AttemptFailed; so is a committed answer that did not complete (cut,
+        stalled, an error in band)."""
+        attempt = self.choose_replica(ex, overrides, prefer)
         replica = attempt.replica
         try:
             try:
@@ -288,12 +324,10 @@ class Proxy:
                     raise  # the client went away (or it is too late for an HTTP error)
                 raise deadline_failure(reason) from None
         except AttemptFailed as e:
-            ex.last_failure = e
+            ex.last_failure = e.as_record()
             self.metrics.child(self.metrics.attempts, (replica.name, e.result)).inc()
-            if e.judges_backend and not self._clients_own(e, attempt, overrides):
-                replica.breaker.failure()
-            elif attempt.probe:
-                replica.breaker.release()
+            self._judge(attempt, e.judges_backend and not self._clients_own(
+                e.result, attempt, overrides))
             attempt.close()
             raise
         except BaseException:
@@ -302,15 +336,38 @@ class Proxy:
             if attempt.probe:
                 replica.breaker.release()
             raise
-        self.metrics.child(self.metrics.attempts, (replica.name, committed_result(ex))).inc()
-        replica.breaker.success()
+        result = committed_result(ex)
+        self.metrics.child(self.metrics.attempts, (replica.name, result)).inc()
+        if result == ATTEMPT_OK:
+            replica.breaker.success()
+        else:
+            backends_fault = ex.status >= 500 or (
+                result in BACKEND_FAULTS and not failures.request_error_type(ex.error_type))
+            self._judge(attempt, backends_fault
+                        and not self._clients_own(result, attempt, overrides))
         return response
 
+    @staticmethod
+    def _judge(attempt: Attempt, failed: bool) -> None:
+        """A failure that says something about the replica goes to its breaker; anything
+        else (a rate limit, the request's own 4xx, a deadline the client tightened) leaves it
+        as it was, but a half-open probe this attempt held goes to the next request."""
+        if failed:
+            attempt.replica.breaker.failure()
+        elif attempt.probe:
+            attempt.replica.breaker.release()
+
     def _model_chain(self, ex: Exchange) -> list[str]:
-        """The requested model, then its fallbacks that the key may use, in order."""
+        """The requested model, then its fallbacks that the key may use, in order. Once a
+        model said the request is too long for its context, only its larger-context
+        fallbacks ([fallbacks.context_length]) remain."""
         model = ex.model or ""
-        return [model] + [m for m in self.cfg.fallbacks.get(model, ())
-                          if self.auth.allows(ex.key, m)]
+        if not ex.too_long_for:
+            return [model] + [m for m in self.cfg.fallbacks.get(model, ())
+                              if self.auth.allows(ex.key, m)]
+        bigger = dict.fromkeys(m for small in ex.too_long_for
+                               for m in self.cfg.context_fallbacks.get(small, ()))
+        return [m for m in bigger if m not in ex.too_long_for and self.auth.allows(ex.key, m)]
 
     def _may_send(self, ex: Exchange, served: str, replica: Replica) -> bool:
         """May this key's request for `served` go to `replica`? The model must be on the key's
@@ -323,26 +380,32 @@ class Proxy:
                 or self.router.model_label(upstream) == "other")
 
     @staticmethod
-    def _clients_own(e: AttemptFailed, attempt: Attempt, overrides: DeadlineOverrides) -> bool:
+    def _clients_own(result: str, attempt: Attempt, overrides: DeadlineOverrides) -> bool:
         """A deadline (or connect timeout) the client itself tightened ran out: that is the
         client's choice and says nothing about the backend's health."""
-        if e.result not in (FIRST_TOKEN, IDLE, TOTAL, CONNECT_ERROR):
+        if result not in (FIRST_TOKEN, IDLE, TOTAL, CONNECT_ERROR, ATTEMPT_STALLED):
             return False
         return overrides.tightened(attempt.replica.cfg.timeouts, attempt.timeouts)
 
-    def choose_replica(self, ex: Exchange, overrides: DeadlineOverrides) -> Attempt:
+    def choose_replica(self, ex: Exchange, overrides: DeadlineOverrides,
+                       prefer: Replica | None = None) -> Attempt:
         """The replica admission chose (for the model it found capacity for: the requested
         one or a fallback), if its breaker lets this request through (a half-open breaker
         admits one probe, however the replica was chosen); else an untried replica of the
         model, then of its fallback models the key may use, in order; else one already tried
         (a retry after Retry-After may go back). Every attempt's model is checked against the
-        key's allow-list. Hands on `ex.attempt`."""
+        key's allow-list. `prefer`: a replica to go back to first (same_replica_first). Hands
+        on `ex.attempt`."""
         api = self._api(ex)
         tried = [a.replica for a in ex.attempts]
         ticket = ex.ticket
         chosen: tuple[Replica, str] | None = None
         served = ex.model or ""
-        if (ticket is not None and ticket.replica not in tried and ticket.replica.healthy
+        if (prefer is not None and prefer.healthy and ex.served_model is not None
+                and self._may_send(ex, ex.served_model, prefer) and prefer.breaker.acquire()):
+            served = ex.served_model
+            chosen = prefer, prefer.cfg.aliases.get(served, served)
+        elif (ticket is not None and ticket.replica not in tried and ticket.replica.healthy
                 and self._may_send(ex, ticket.model, ticket.replica)
                 and ticket.replica.breaker.acquire()):
             served = ticket.model
@@ -359,7 +422,7 @@ class Proxy:
                         served = name
                         break
                     except GatewayError as e:
-                        last = e
+                        last = e.with_traceback(None)
                 if chosen is not None:
                     break
             if chosen is None:
@@ -370,7 +433,10 @@ class Proxy:
                 if last is None:
                     self.auth.authorize(ex.key, ex.model or "")
                     raise AssertionError("unreachable: the requested model is allowed")
-                raise last
+                try:
+                    raise last
+                finally:
+                    del last  # held by this frame, it would make a cycle with its traceback
         replica, upstream_model = chosen
         ex.served_model = served
         if ticket is not None:
@@ -485,7 +551,7 @@ class Proxy:
         otherwise the gateway's own error in the client's format."""
         ex.status = e.status
         if e.response is not None:
-            ex.finish(UPSTREAM_ERROR, str(e.status))
+            ex.finish(UPSTREAM_ERROR, str(e.status) if e.status >= 400 else e.code)
             status, headers, body = e.response
             return web.Response(status=status, body=body, headers=headers)
         error = e.as_gateway_error()
@@ -512,24 +578,6 @@ class Proxy:
         return (self.tracing.capture_content and ex.trace is not None
                 and ex.trace.sampled)
 
-    def _wait(self, rs: RetryCallState) -> float:
-        exc = rs.outcome.exception() if rs.outcome else None
-        if isinstance(exc, AttemptFailed) and exc.retry_after_s is not None:
-            return exc.retry_after_s
-        return float(self._backoff(rs))
-
-    def _stop(self, ex: Exchange) -> Callable[[RetryCallState], bool]:
-        """Stop after max_attempts, or when the next attempt would start past the retry
-        budget (default: twice the first-token deadline of the request's own backend, so that
-        one stalled attempt still leaves room for another)."""
-        by_count = stop_after_attempt(self.retry.max_attempts)
-
-        def stop(rs: RetryCallState) -> bool:
-            return bool(by_count(rs)) or (
-                now_ns() + int((rs.upcoming_sleep or 0) * 1e9) >= ex.retry_budget_at)
-
-        return stop
-
     async def _retryable_status(self, ex: Exchange,
                                 up: UpstreamResponse) -> AttemptFailed:
         """A 429/5xx before anything was committed: worth another attempt, unless the upstream
@@ -537,11 +585,9 @@ class Proxy:
         body = await upstream.read_head(up, MAX_ERROR_BODY)
         headers = dict(client_response_headers(up.headers, event_stream=False,
                                                extra=((REQUEST_ID_HEADER, ex.request_id),)))
-        retry_after = retry_after_s(up.headers)
-        retryable = retry_after is None or retry_after <= self.retry.retry_after_cap_s
         return AttemptFailed(f"http_{up.status}", up.status, f"Upstream answered {up.status}.",
-                             f"upstream_{up.status}", retryable=retryable,
-                             retry_after_s=retry_after, response=(up.status, headers, body),
+                             f"upstream_{up.status}", retry_after_s=retry_after_s(up.headers),
+                             response=(up.status, headers, body),
                              judges_backend=up.status != 429)
 
     async def _whole(self, ex: Exchange, up: UpstreamResponse, api: Api,
@@ -550,6 +596,14 @@ class Proxy:
         read it whole and pass status, headers and body through."""
         if up.status >= 400:
             body = await upstream.read_head(up, MAX_ERROR_BODY)
+            if up.status < 500 and failures.http_error(body) == failures.CONTEXT_LENGTH:
+                # A larger model may serve it ([fallbacks.context_length]); if none may, the
+                # answer passes through as it came.
+                headers = client_response_headers(up.headers, event_stream=False, extra=extra)
+                raise AttemptFailed(ATTEMPT_CONTEXT_LENGTH, up.status, f"Upstream answered "
+                                    f"{up.status}: too long for the context of "
+                                    f"'{ex.served_model}'.", ATTEMPT_CONTEXT_LENGTH,
+                                    response=(up.status, headers, body), judges_backend=False)
         else:
             try:
                 body = await upstream.read_capped(up, self.cfg.server.max_response_bytes)

@@ -20,9 +20,12 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from gateway.apis import failures
 from gateway.apis.sse import DEFAULT_MAX_EVENT_BYTES, SSEEvent, SSEParser
 from gateway.edge.limits import EVENT_TOO_LARGE
 from gateway.errors import (
+    ATTEMPT_CONTEXT_LENGTH,
+    ATTEMPT_IN_BAND_ERROR,
     CLOSED_BEFORE_FIRST_TOKEN,
     GATEWAY_ERROR,
     OK,
@@ -251,7 +254,11 @@ class Relay:
                 if out:
                     self.held.append(out)
                     self.held_bytes += len(out)
-                if not self.hold or ex.t_first_token or ex.done or ex.error_type:
+                failed = (self._in_band_failure()
+                          if ex.error_type and self.hold and not ex.t_first_token else None)
+                if failed is not None:
+                    self._finish(failed)
+                elif not self.hold or ex.t_first_token or ex.done or ex.error_type:
                     self._commit()  # the first token leaves in the read that brought it
                     if self._client_wire().full:
                         self._drain_first()
@@ -259,11 +266,29 @@ class Relay:
                     self._finish(EventTooLarge(self.held_bytes + len(self.splicer.pending),
                                                self.max_event_bytes,
                                                "answer without a first token"))
-            if ex.done and self.linger is None:
+            if ex.done and self.linger is None and self.end is None:
                 self._terminal()
-        except Exception as e:  # EventTooLarge, or a bug of ours: raised by the coroutine, as
-            self._finish(e)  # before (never into aiohttp's parser, which would blame the upstream)
+        except EventTooLarge as e:  # raised by the coroutine, without this frame (a cycle)
+            self._finish(e.with_traceback(None))
+        except Exception as e:  # a bug of ours: raised by the coroutine, as before (never
+            self._finish(e)  # into aiohttp's parser, which would blame the upstream)
         ex.overhead_ns += now_ns() - t
+
+    def _in_band_failure(self) -> AttemptFailed | None:
+        """An error event before any token, while the commit waits for one: an overload or a
+        server error is a failed attempt (another replica may answer), so is a prompt too long
+        for this model's context (a larger model may); the request's own error passes on as it
+        came (None). Held, the event is the answer if no other attempt can be made."""
+        ex = self.ex
+        said = b"".join(self.held) + self.splicer.pending
+        meaning = failures.in_band_error(said)
+        if meaning == failures.REQUEST_ERROR:
+            return None
+        return AttemptFailed(
+            ATTEMPT_CONTEXT_LENGTH if meaning == failures.CONTEXT_LENGTH else ATTEMPT_IN_BAND_ERROR,
+            200, f"Backend '{ex.backend}' answered with an error before its first token.",
+            ex.error_type or ATTEMPT_IN_BAND_ERROR, response=(200, self.headers, said),
+            judges_backend=meaning == failures.BACKEND_ERROR)
 
     def _terminal(self) -> None:
         """The protocol's terminal event: the answer is complete, and its outcome and e2e are
@@ -371,7 +396,13 @@ class Relay:
                     if end is _EOF or end is _LINGERED:
                         return
                     assert isinstance(end, BaseException)
-                    raise end
+                    # The exception travels alone: kept here or in a local, it would pin this
+                    # frame (and the exchange) in a reference cycle through its traceback.
+                    self.end = _EOF
+                    try:
+                        raise end
+                    finally:
+                        del end
                 body.resume()  # may run the sink again, re-entrantly
         finally:
             body.unhook()

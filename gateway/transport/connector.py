@@ -40,7 +40,14 @@ class TimedConnector(aiohttp.TCPConnector):
         ex = CONNECTING.get()
         if ex is not None:
             ex.t_connect_start = now_ns()
-        proto = await super()._create_connection(req, traces, timeout)
+        # The connection's callbacks (its reader, above all) keep the context they were made
+        # in for as long as it is pooled: made with the exchange in it, they would pin the
+        # request that opened the connection (its body, its answer) for that long.
+        outside = CONNECTING.set(None)
+        try:
+            proto = await super()._create_connection(req, traces, timeout)
+        finally:
+            CONNECTING.reset(outside)
         if ex is not None:
             ex.t_connect_end = now_ns()
         return proto

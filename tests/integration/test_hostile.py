@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hashlib
 import logging
 import re
@@ -25,7 +26,9 @@ import pytest
 from backends.sim import SimConfig, build_app as build_sim
 from gateway import config
 from gateway.edge import limits
+from gateway.exchange import Attempt, Exchange
 from gateway.ops import server
+from gateway.request.relay import Relay, Splicer
 from tests.support import hostile
 from tests.support.procs import slogate
 from tests.support.servers import serve_app
@@ -301,6 +304,42 @@ async def test_event_flood_after_commit_ends_with_an_error_event(monkeypatch) ->
         assert len(body) < 2 * (1 << 20)
         assert body.endswith(b"\n\n") and b'"code":"event_too_large"' in body[-400:]
         assert await metric(s, gw, "slogate_limits_exceeded_total", "event_too_large") == 1
+
+
+# -- nothing a request held outlives it ------------------------------------------------------------
+
+def request_objects() -> list[object]:
+    """The gateway's per-request objects that the collector still tracks."""
+    return [o for o in gc.get_objects() if isinstance(o, (Exchange, Attempt, Relay, Splicer))]
+
+
+@pytest.mark.parametrize(("model", "stream", "status"), [
+    ("m", True, 200), ("m", False, 200),  # ordinary answers
+    ("bomb", False, 502),  # over max_response_bytes
+    ("flood-line", True, 502), ("flood-prefirst", True, 502),  # events over the limit, retried
+    ("flood-after", True, 200),  # an event over the limit after commit
+    ("redirect", True, 502), ("no-such-model", True, 404),
+])
+async def test_a_requests_objects_are_freed_by_reference_counting(monkeypatch, model, stream,
+                                                                  status) -> None:
+    """With the collector off, everything a request held is gone once it has ended: the
+    exceptions raised at a limit carry no frames that would keep it (and the upstream's
+    megabytes) in a reference cycle until the next collection."""
+    async with stack(monkeypatch) as (gw, site, _), aiohttp.ClientSession() as s:
+        async def once() -> int:
+            async with s.post(gw + "/v1/chat/completions", headers=AUTH,
+                              json={**GOOD, "model": model, "stream": stream}) as r:
+                await r.read()
+                return r.status
+
+        assert await once() == status  # warm: pools, lazily built tables
+        gc.collect()
+        gc.disable()
+        try:
+            assert await once() == status
+            await until(lambda: not request_objects(), what="the request's objects freed")
+        finally:
+            gc.enable()
 
 
 # -- everything at once ----------------------------------------------------------------------------

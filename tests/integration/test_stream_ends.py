@@ -207,13 +207,19 @@ async def test_an_upstream_lingering_past_the_grace_is_closed() -> None:
     (tokens(3, 0.0) + [finish(), USAGE, DONE], 200, {}, "ok"),
     (tokens(3, 0.0), 200, {}, "cut"),
     (tokens(3, 0.01) + [5.0] + [DONE], 200, {"idle_s": 0.3}, "stalled"),
+    # before any token: a failed attempt, tried again (one replica: up to max_attempts)
     ([b'data: {"error":{"message":"boom","type":"server_error"}}\n\n', DONE], 200, {},
-     "in_band_error"),
+     {"in_band_error": 3}),
     ([b'{"error":{"message":"too long","code":"context_length_exceeded"}}'], 400, {},
-     "http_400"),
+     "context_length"),
+    ([b'{"error":{"message":"flagged by the content policy","code":"content_filter"}}'],
+     400, {}, "http_400"),
+    ([b'data: {"error":{"message":"bad","type":"BadRequestError","code":400}}\n\n', DONE],
+     200, {}, "in_band_error"),  # the request's own error in band: passed on, not retried
 ])
 async def test_attempt_results_say_how_the_attempt_ended(
-        script: list[Step], status: int, timeouts: dict[str, float], result: str) -> None:
+        script: list[Step], status: int, timeouts: dict[str, float],
+        result: str | dict[str, int]) -> None:
     headers = None if status == 200 else {"Content-Type": "application/json"}
     up = scripted_app(script, status=status, headers=headers)
     async with serve_app(up) as up_url, \
@@ -222,7 +228,7 @@ async def test_attempt_results_say_how_the_attempt_ended(
         async with s.post(base + "/v1/chat/completions",
                           json={"model": "m", "stream": True, "messages": MSG}) as r:
             await r.read()
-        assert await attempts(base) == {result: 1}
+        assert await attempts(base) == (result if isinstance(result, dict) else {result: 1})
 
 
 # -- a whole (non-streamed) answer cut short -------------------------------------------------------

@@ -59,3 +59,32 @@ def tokens(n: int, gap: float) -> list[Step]:
                 b'"choices":[{"index":0,"delta":{"content":"t%d "},"finish_reason":null}]}\n\n'
                 % i, gap]
     return out
+
+
+Answer = tuple[int, dict[str, str], Sequence[Step]]  # status, headers, script
+
+
+def sequenced_app(answers: Sequence[Answer]) -> web.Application:
+    """An upstream giving its n-th request the n-th answer (the last one from then on);
+    requests recorded in app[REQUESTS] as by scripted_app."""
+    app = web.Application()
+    requests: list[dict[str, Any]] = []
+    app[REQUESTS] = requests
+    app[CANCELLED] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        requests.append({"path": request.path, "headers": dict(request.headers), "body": body})
+        status, headers, steps = answers[min(len(requests), len(answers)) - 1]
+        resp = web.StreamResponse(status=status, headers=headers)
+        await resp.prepare(request)
+        for step in steps:
+            if isinstance(step, (int, float)):
+                await asyncio.sleep(step)
+            else:
+                await resp.write(step)
+        await resp.write_eof()
+        return resp
+
+    app.router.add_post("/{tail:.*}", handler)
+    return app
