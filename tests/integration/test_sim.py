@@ -9,6 +9,7 @@ import re
 import statistics
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -16,7 +17,7 @@ import openai
 import orjson
 import pytest
 
-from backends.sim import SimConfig, build_app, cli as sim_cli
+from backends.sim import SimConfig, build_app, cli as sim_cli, config as sim_config
 from tests.support.servers import serve_app
 from tests.support.waiting import wait_until
 
@@ -744,3 +745,16 @@ async def test_new_knobs_through_sim_config() -> None:
             for bad in ({"stall_rate": 1.5}, {"error_type": "nope"}, {"linger_ms": -1}):
                 async with s.post(url + "/sim/config", json=bad) as r:
                     assert r.status == 400, bad
+
+
+def test_every_knob_and_header_is_documented() -> None:
+    """backends/sim/README.md's tables name every SimConfig knob's option and every x-sim-*
+    header the server reads."""
+    root = Path(__file__).resolve().parents[2] / "backends" / "sim"
+    readme = (root / "README.md").read_text()
+    for name in sim_config.KNOBS:
+        assert f"| `{sim_cli._opt(name)}` |" in readme, name
+    headers = set(re.findall(r'"(x-sim-[a-z-]+)"', (root / "server.py").read_text()))
+    assert len(headers) > 15
+    for h in headers:
+        assert f"`{h}:" in readme, h
