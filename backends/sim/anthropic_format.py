@@ -15,6 +15,7 @@ import orjson
 from .formats import ARGS_CLOSE, ARGS_OPEN, WORDS_ARG_JSON, WORDS_JSON, Output, tool_arguments
 
 PING = b'event: ping\ndata: {"type":"ping"}\n\n'
+MESSAGE_STOP = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
 SIGNATURE = "c2ltLXNpZ25hdHVyZQ=="  # an opaque thinking-block signature, as the API sends one
 
 # error.type by HTTP status (the SDK picks its exception class from the status)
@@ -131,7 +132,7 @@ class AnthropicStream:
                                           "delta": {"stop_reason": stop_reason(seq, self.out),
                                                     "stop_sequence": None},
                                           "usage": {**_usage(seq), "output_tokens": seq.generated}})
-                + event("message_stop", {"type": "message_stop"}))
+                + (MESSAGE_STOP if self.out.terminator else b""))
 
     def error(self, message: str, status: int) -> bytes:
         """The API's mid-stream error: the stream ends with it, no message_stop."""

@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import functools
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
@@ -18,6 +19,15 @@ def _opt(name: str) -> str:
     return f.metadata.get("cli") or "--" + name.replace("_", "-")
 
 
+class _Flag(argparse.BooleanOptionalAction):
+    """--x sets the knob, --no-x clears it; also for a knob whose own name starts with no_
+    (argparse's action would read --no-terminator as a negation)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: str | Sequence[Any] | None, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, option_string == self.option_strings[0])
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every SimConfig knob as a --kebab-case option (defaults shown are SimConfig's)."""
     defaults = SimConfig()
@@ -27,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help_ = f"{f.metadata.get('help', '')} (default: {default!r})".replace("%", "%%")
         kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_}
         if f.type in ("bool", bool):
-            group.add_argument(_opt(f.name), action=argparse.BooleanOptionalAction, **kw)
+            group.add_argument(_opt(f.name), action=_Flag, **kw)
         elif f.type in ("list[str]",):
             group.add_argument(_opt(f.name), action="append", metavar="NAME", **kw)
         else:

@@ -10,6 +10,8 @@ from typing import Any
 HANG_MODES = ("", "headers", "first_token")
 # Provider flavours of OpenAI-format answers (`provider` knob / `x-sim-provider` header).
 PROVIDERS = ("vllm", "groq", "cerebras")
+# Anthropic error types an in-band engine error can have (`error_type` / `x-sim-error-type`).
+ERROR_KINDS = ("api_error", "overloaded_error")
 
 
 def _k(default: Any, help: str, **kw: Any) -> Any:
@@ -87,6 +89,16 @@ class SimConfig:
                                "Anthropic thinking)")
     fault_status_count: int = _k(-1, "answer only the first N requests with fault_status, then "
                                  "serve normally (-1 = no limit)")
+    stall_rate: float = _k(1.0, "fraction of requests that get the stall_ms stall (seeded)")
+    error_type: str = _k("api_error", "what an error_after error is: api_error (500) or "
+                         "overloaded_error (529, Anthropic's 'Overloaded')", choices=ERROR_KINDS)
+    linger_ms: float = _k(0.0, "keep a stream's body open this long after its terminal event "
+                          "(0 = end at once)")
+    no_terminator: bool = _k(False, "end streams cleanly without their terminal event ([DONE], "
+                             "message_stop, response.completed)")
+    continuation: bool = _k(True, "continue a final assistant message (chat "
+                            "continue_final_message, Messages prefill); off: such requests are "
+                            "a 400, like an engine without support")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -123,6 +135,9 @@ class SimConfig:
         need(self.output_tokens >= 0, "output_tokens", "an integer >= 0")
         need(self.reasoning_tokens >= 0, "reasoning_tokens", "an integer >= 0")
         need(self.fault_status_count >= -1, "fault_status_count", "-1 (no limit) or a count >= 0")
+        need(0.0 <= self.stall_rate <= 1.0, "stall_rate", "a fraction 0..1")
+        need(self.error_type in ERROR_KINDS, "error_type", f"one of {ERROR_KINDS}")
+        need(self.linger_ms >= 0, "linger_ms", "a number >= 0")
         need(self.provider in PROVIDERS, "provider", f"one of {PROVIDERS}")
         need(self.request_log_size >= 0, "request_log_size", "an integer >= 0")
         need(len(self.served_model_names) >= 1

@@ -314,6 +314,10 @@ class Engine:
                 self._fault(s)
                 finished = True
                 continue
+            if g >= s.target:  # an answer of no tokens, after a stall
+                self._end_empty(s, now)
+                finished = True
+                continue
             s.generated = g + 1
             emitted += 1
             if g == 0:
@@ -350,6 +354,10 @@ class Engine:
                 self._fault(s)
                 finished = True
                 continue
+            if s.target <= 0:
+                self._end_empty(s, now)
+                finished = True
+                continue
             s.generated = 1
             emitted += 1
             s.t_first = s.t_last = now
@@ -368,6 +376,12 @@ class Engine:
             self.prefilling = [s for s in self.prefilling if s.state == PREFILL]
         if finished:
             self.decoding = [s for s in self.decoding if s.state == DECODE]
+
+    def _end_empty(self, s: Seq, now: float) -> None:
+        """An answer of no tokens (a continued prefill that was the whole answer) ends where its
+        first token would have come."""
+        s.t_first = s.t_last = now
+        self._end(s, s.finish_reason)
 
     def _fault(self, s: Seq) -> None:
         if s.fault_at == s.cut_after:

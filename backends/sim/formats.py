@@ -100,6 +100,7 @@ class Output:
     # usage.prompt_tokens_details.cached_tokens: Groq and Cerebras always send it, vLLM only
     # with --enable-prompt-tokens-details
     cache_details: bool = False
+    terminator: bool = True  # end streams with their terminal event (off: the no_terminator fault)
 
     def parts(self, seq: Any) -> tuple[str, str]:
         """(reasoning text, text or tool-argument text) of a finished sequence."""
@@ -245,10 +246,14 @@ class _OpenAIStream:
             elif out.flavour == "vllm" and out.per_request_metrics:
                 usage += b',"metrics":' + orjson.dumps(vllm_metrics(seq))
             data += usage + b"}\n\n"
-        return data + DONE
+        return data + self.done
+
+    @property
+    def done(self) -> bytes:
+        return DONE if self.out.terminator else b""
 
     def error(self, message: str, status: int) -> bytes:
-        return b"data: " + error_body(message, status) + b"\n\n" + DONE
+        return b"data: " + error_body(message, status) + b"\n\n" + self.done
 
 
 class OpenAIChatStream(_OpenAIStream):
@@ -256,12 +261,14 @@ class OpenAIChatStream(_OpenAIStream):
     reasoning tokens as `delta.reasoning`, then content, or one tool call whose first chunk
     names it and whose arguments follow as fragments."""
 
-    __slots__ = ("role_chunk", "n", "reasoning_pre", "body_pre", "body_suf", "words", "tool_open")
+    __slots__ = ("role_chunk", "role_out", "n", "reasoning_pre", "body_pre", "body_suf", "words",
+                 "tool_open")
 
     def __init__(self, rid: str, created: int, model: str, out: Output) -> None:
         self.rid = rid
         self.out = out
         self.n = 0
+        self.role_out = False
         self.head = head = _head(rid, "chat.completion.chunk", created, model, out.flavour)
         start = b"data: " + head + _OPEN_CHOICE
         x_groq = (b',"x_groq":{"id":"' + groq_request_id(rid).encode() + b'"}'
@@ -282,10 +289,12 @@ class OpenAIChatStream(_OpenAIStream):
                               + _CLOSE_CHOICE)
 
     def opening(self, role_first: bool) -> bytes:
+        self.role_out = role_first
         return self.role_chunk if role_first else b""
 
     def first(self, tid: int, role_sent: bool) -> bytes:
         tok = self.token(tid)
+        self.role_out = True
         return tok if role_sent else self.role_chunk + tok
 
     def token(self, tid: int) -> bytes:
@@ -301,9 +310,10 @@ class OpenAIChatStream(_OpenAIStream):
 
     def finish(self, seq: Any, include_usage: bool) -> bytes:
         reason = seq.finish_reason
-        closing = b""
+        # an answer of no tokens (a prefill that was already the whole answer) still has a role
+        closing = b"" if self.role_out else self.role_chunk
         if self.out.called_tool(seq):
-            closing = self.body_pre + ARGS_CLOSE + self.body_suf
+            closing += self.body_pre + ARGS_CLOSE + self.body_suf
             if reason == "stop":
                 reason = "tool_calls"
         choice = (b'{"index":0,"delta":{},"logprobs":null,"finish_reason":"' + reason.encode()

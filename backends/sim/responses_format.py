@@ -193,15 +193,19 @@ class ResponsesStream:
 
     def finish(self, seq: Any, include_usage: bool) -> bytes:
         status = "incomplete" if seq.finish_reason == "length" else "completed"
-        return self._close_item() + self.event("response." + status,
-                                               {"response": self._response(status, seq)})
+        closing = self._close_item()
+        if not self.out.terminator:
+            return closing
+        return closing + self.event("response." + status, {"response": self._response(status, seq)})
 
     def error(self, message: str, status: int) -> bytes:
         """An `error` event, then the terminal `response.failed`."""
         failed = self._response("failed")
         failed["error"] = {"code": "server_error", "message": message}
-        return (self.event("error", {"code": "server_error", "message": message, "param": None})
-                + self.event("response.failed", {"response": failed}))
+        error = self.event("error", {"code": "server_error", "message": message, "param": None})
+        if not self.out.terminator:
+            return error
+        return error + self.event("response.failed", {"response": failed})
 
 
 def response_body(rid: str, created: int, model: str, seq: Any, out: Output) -> bytes:

@@ -22,9 +22,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import anthropic_format, formats, responses_format
-from .config import HANG_MODES, PROVIDERS, SimConfig, updated
+from .config import ERROR_KINDS, HANG_MODES, PROVIDERS, SimConfig, updated
 from .engine import CANCELLED, CUT, ERROR, FINISHED, LENGTH, STOP, Engine, QueueFull, Seq
 from .metrics import SimMetrics
+from .prefill import Plan, Prefill, start_of
 
 JSON = "application/json"
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
@@ -45,6 +46,7 @@ class SimState:
         self.created = int(time.time())
         self.hanging = 0
         self.knob_status_faults = 0  # requests answered with the fault_status knob so far
+        self.stall_rng = random.Random(f"stall:{cfg.seed}")  # apart: stalls leave status draws be
         self.metrics = SimMetrics(self)
 
     @property
@@ -66,6 +68,10 @@ class SimState:
             return 0
         self.knob_status_faults += 1
         return cfg.fault_status
+
+    def stalls(self, rate: float) -> bool:
+        """Whether this request is among the `rate` share that gets the stall."""
+        return rate >= 1.0 or self.stall_rng.random() < rate
 
     def stats(self) -> dict[str, Any]:
         s = self.engine.stats()
@@ -118,7 +124,7 @@ _REASONS = {529: "Site Overloaded"}  # statuses without a standard reason phrase
 
 @dataclass(slots=True)
 class Faults:
-    stall_ms: float
+    stall_ms: float  # 0 when this request is not among stall_rate's share
     token_delay_ms: float
     cut_after: int
     error_after: int
@@ -130,6 +136,15 @@ class Faults:
     output_tokens: int
     reasoning_tokens: int | None  # None: the knob's count, if the request asks for reasoning
     provider: str | None  # None: the route's or the knob's flavour
+    error_type: str = "api_error"  # what an error_after error is
+    linger_ms: float = 0.0
+    no_terminator: bool = False
+    max_model_len: int = 32768
+    continuation: bool = True
+
+    @property
+    def error_status(self) -> int:
+        return 529 if self.error_type == "overloaded_error" else 500
 
 
 def _hnum(h: Any, name: str, default: float, conv: type, lo: float) -> Any:
@@ -145,6 +160,37 @@ def _hnum(h: Any, name: str, default: float, conv: type, lo: float) -> Any:
     return x
 
 
+def _hrate(h: Any, name: str, default: float) -> float:
+    x: float = _hnum(h, name, default, float, 0)
+    if x > 1:
+        raise BadRequest(f"header {name}: {x!r} must be a fraction 0..1", name)
+    return x
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _hbool(h: Any, name: str, default: bool) -> bool:
+    v = h.get(name)
+    if v is None:
+        return default
+    v = str(v).strip().lower()
+    if v not in _TRUE + _FALSE:
+        raise BadRequest(f"header {name}: {v!r} is not one of 1, 0, true, false", name)
+    return v in _TRUE
+
+
+def _hchoice(h: Any, name: str, default: str, choices: tuple[str, ...]) -> str:
+    v = h.get(name)
+    if v is None:
+        return default
+    v = str(v).strip().lower()
+    if v not in choices:
+        raise BadRequest(f"header {name}: {v!r} is not one of "
+                         f"{', '.join(repr(c) for c in choices if c)}", name)
+    return v
+
+
 def parse_faults(h: Any, sim: SimState) -> Faults:
     cfg = sim.cfg
     status = _hnum(h, "x-sim-status", 0, int, 0)
@@ -156,31 +202,34 @@ def parse_faults(h: Any, sim: SimState) -> Faults:
     retry_after = h.get("x-sim-retry-after")
     if retry_after is None and cfg.retry_after_s >= 0:
         retry_after = f"{cfg.retry_after_s:g}"
-    hang = h.get("x-sim-hang", cfg.hang).strip().lower()
-    if hang not in HANG_MODES:
-        raise BadRequest(f"header x-sim-hang: {hang!r} is not one of 'headers', 'first_token'",
-                         "x-sim-hang")
     rf = h.get("x-sim-role-first")
-    role_first = cfg.role_first if rf is None else rf.strip().lower() in ("1", "true", "yes", "on")
+    role_first = cfg.role_first if rf is None else rf.strip().lower() in _TRUE
     provider = h.get("x-sim-provider")
-    if provider is not None and provider.strip().lower() not in PROVIDERS:
-        raise BadRequest(f"header x-sim-provider: {provider!r} is not one of "
-                         f"{', '.join(PROVIDERS)}", "x-sim-provider")
+    if provider is not None:
+        provider = _hchoice(h, "x-sim-provider", "", PROVIDERS)
     reasoning = h.get("x-sim-reasoning-tokens")
+    stall_ms = _hnum(h, "x-sim-stall-ms", cfg.stall_ms, float, 0)
+    if stall_ms and not sim.stalls(_hrate(h, "x-sim-stall-rate", cfg.stall_rate)):
+        stall_ms = 0.0
     return Faults(
-        stall_ms=_hnum(h, "x-sim-stall-ms", cfg.stall_ms, float, 0),
+        stall_ms=stall_ms,
         token_delay_ms=_hnum(h, "x-sim-token-delay-ms", cfg.token_delay_ms, float, 0),
         cut_after=_hnum(h, "x-sim-cut-after", cfg.cut_after, int, -1),
         error_after=_hnum(h, "x-sim-error-after", cfg.error_after, int, -1),
         status=status,
         retry_after=retry_after,
-        hang=hang,
+        hang=_hchoice(h, "x-sim-hang", cfg.hang, HANG_MODES),
         ping_ms=_hnum(h, "x-sim-ping-ms", cfg.ping_ms, float, 0),
         role_first=role_first,
         output_tokens=_hnum(h, "x-sim-output-tokens", cfg.output_tokens, int, 0),
         reasoning_tokens=(None if reasoning is None
                           else _hnum(h, "x-sim-reasoning-tokens", 0, int, 0)),
-        provider=None if provider is None else provider.strip().lower(),
+        provider=provider,
+        error_type=_hchoice(h, "x-sim-error-type", cfg.error_type, ERROR_KINDS),
+        linger_ms=_hnum(h, "x-sim-linger-ms", cfg.linger_ms, float, 0),
+        no_terminator=_hbool(h, "x-sim-no-terminator", cfg.no_terminator),
+        max_model_len=_hnum(h, "x-sim-max-model-len", cfg.max_model_len, int, 2),
+        continuation=_hbool(h, "x-sim-continuation", cfg.continuation),
     )
 
 
@@ -197,6 +246,8 @@ class Parsed:
     prompt_tokens: int
     tool: str | None = None  # the tool the answer calls (the request's first tool)
     wants_reasoning: bool = False
+    prefill: Prefill | None = None  # the final assistant message to continue
+    seed_prompt: bytes | None = None  # the prompt without the prefill (None: `prompt`)
 
 
 def _opt_int(body: dict[str, Any], key: str, lo: int) -> int | None:
@@ -230,16 +281,76 @@ def _text_parts(content: Any, where: str, param: str) -> list[bytes]:
     return parts
 
 
-def _messages_prompt(msgs: Any, system: Any = None) -> tuple[bytes, int]:
-    """The messages' text joined (for hashing and the prefix cache) and its content byte count."""
+def _messages_prompt(msgs: Any, system: Any = None, drop_last: bool = False) -> tuple[bytes, int]:
+    """The messages' text joined (for hashing and the prefix cache) and its content byte count;
+    `drop_last`: without the final message (a prefill)."""
     if not isinstance(msgs, list) or not msgs:
         raise BadRequest("'messages' must be a non-empty list", "messages")
     parts: list[bytes] = _text_parts(system, "system", "system") if system is not None else []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a string 'role'", "messages")
-        parts.extend(_text_parts(m.get("content"), f"messages[{i}]", "messages"))
+        if not (drop_last and i == len(msgs) - 1):
+            parts.extend(_text_parts(m.get("content"), f"messages[{i}]", "messages"))
     return b"\n".join(parts), sum(map(len, parts))
+
+
+# vLLM's words: its request validator, and (add_generation_prompt defaults to true there) the chat
+# template's refusal when only continue_final_message is set
+_BOTH_SET = "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+_NOT_COMPATIBLE = (
+    "continue_final_message and add_generation_prompt are not compatible. Use "
+    "continue_final_message when you want the model to continue the final message, and "
+    "add_generation_prompt when you want to add a header that will prompt it to start a new "
+    "assistant message instead.")
+
+
+def _opt_bool(body: dict[str, Any], key: str) -> bool | None:
+    v = body.get(key)
+    if v is not None and not isinstance(v, bool):
+        raise BadRequest(f"'{key}' must be a boolean", key)
+    return v
+
+
+def _chat_prefill(body: dict[str, Any], continuation: bool) -> Prefill | None:
+    """vLLM's continue_final_message: the final assistant message is continued, not answered."""
+    agp = _opt_bool(body, "add_generation_prompt")
+    if not _opt_bool(body, "continue_final_message"):
+        return None
+    if not continuation:  # what an OpenAI-compatible server without the extension says
+        raise BadRequest("Unrecognized request argument supplied: continue_final_message",
+                         "continue_final_message")
+    if agp is not False:
+        raise BadRequest(_BOTH_SET if agp else _NOT_COMPATIBLE)
+    last = body["messages"][-1]
+    if last["role"] != "assistant":  # nothing of the answer to continue
+        return None
+    parts = _text_parts(last.get("content"), "the final message", "messages")
+    text = b"\n".join(parts).decode()  # vLLM joins text parts with newlines
+    thinking = next((t for k in ("reasoning", "reasoning_content")
+                     if isinstance(t := last.get(k), str)), "")
+    return Prefill(text, thinking, sum(map(len, parts)))
+
+
+def _messages_prefill(msgs: list[Any], continuation: bool) -> Prefill | None:
+    """Anthropic's prefill: a final assistant message is the start of the answer."""
+    last = msgs[-1]
+    if last["role"] != "assistant":
+        return None
+    if not continuation:
+        raise BadRequest("prefill not supported", "messages")
+    content = last.get("content")
+    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    if not isinstance(blocks, list):
+        blocks = []
+    blocks = [b for b in blocks if isinstance(b, dict)]
+    text = "".join(b["text"] for b in blocks if b.get("type") == "text"
+                   and isinstance(b.get("text"), str))
+    thinking = "".join(b["thinking"] for b in blocks if b.get("type") == "thinking"
+                       and isinstance(b.get("thinking"), str))
+    if text != text.rstrip():
+        raise BadRequest("final assistant content cannot end with trailing whitespace", "messages")
+    return Prefill(text, thinking, len(text.encode()))
 
 
 def _responses_prompt(body: dict[str, Any]) -> tuple[bytes, int]:
@@ -317,7 +428,7 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool | None:
     return iu
 
 
-def parse_body(body: Any, api: str, cfg: SimConfig) -> Parsed:
+def parse_body(body: Any, api: str, cfg: SimConfig, continuation: bool = True) -> Parsed:
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     model = body.get("model")
@@ -344,57 +455,128 @@ def parse_body(body: Any, api: str, cfg: SimConfig) -> Parsed:
         prompt, ptoks = _completion_prompt(body)
         if ptoks is None:
             ptoks = max(1, -(-len(prompt) // cfg.bytes_per_token))
-        param = "prompt"
+        return Parsed(model, stream, include_usage, mt, seed, prompt, ptoks)
+    p = _conversation(body, api, cfg, continuation)
+    p.model, p.stream, p.include_usage, p.seed = model, stream, include_usage, seed
+    return p
+
+
+def _conversation(body: dict[str, Any], api: str, cfg: SimConfig, continuation: bool) -> Parsed:
+    """The chat, Responses or Messages request's prompt, limit, tool, reasoning and prefill."""
+    system = None
+    if api == "chat":
+        mt = _opt_int(body, "max_tokens", 1)
+        mct = _opt_int(body, "max_completion_tokens", 1)
+        if mct is not None:
+            mt = mct
+        prompt, nbytes = _messages_prompt(body.get("messages"))
+        prefill = _chat_prefill(body, continuation)
+    elif api == "responses":
+        mt = _opt_int(body, "max_output_tokens", 1)
+        prompt, nbytes = _responses_prompt(body)
+        prefill = None
     else:
-        if api == "chat":
-            mt = _opt_int(body, "max_tokens", 1)
-            mct = _opt_int(body, "max_completion_tokens", 1)
-            if mct is not None:
-                mt = mct
-            prompt, nbytes = _messages_prompt(body.get("messages"))
-            param = "messages"
-        elif api == "responses":
-            mt = _opt_int(body, "max_output_tokens", 1)
-            prompt, nbytes = _responses_prompt(body)
-            param = "input"
-        else:
-            mt = _opt_int(body, "max_tokens", 1)
-            if mt is None:
-                raise BadRequest("max_tokens: Field required", "max_tokens")
-            prompt, nbytes = _messages_prompt(body.get("messages"), body.get("system"))
-            param = "messages"
-        ptoks = max(1, -(-nbytes // cfg.bytes_per_token))
-    if ptoks >= cfg.max_model_len or (mt is not None and ptoks + mt > cfg.max_model_len):
-        raise BadRequest(
-            f"This model's maximum context length is {cfg.max_model_len} tokens. However, you "
-            f"requested {ptoks + (mt or 0)} tokens ({ptoks} in the messages, {mt or 0} in the "
-            "completion). Please reduce the length of the messages or completion.", param)
-    tool = _first_tool(body, api) if api != "completions" else None
-    return Parsed(model, stream, include_usage, mt, seed, prompt, ptoks, tool,
-                  api != "completions" and _wants_reasoning(body, api))
+        mt = _opt_int(body, "max_tokens", 1)
+        if mt is None:
+            raise BadRequest("max_tokens: Field required", "max_tokens")
+        system = body.get("system")
+        prompt, nbytes = _messages_prompt(body.get("messages"), system)
+        prefill = _messages_prefill(body["messages"], continuation)
+    seed_prompt = None
+    if prefill is not None:  # the prefill's tokens are added once it is matched to the plan
+        seed_prompt, nbytes = _messages_prompt(body["messages"], system, drop_last=True)
+    ptoks = max(1, -(-nbytes // cfg.bytes_per_token))
+    return Parsed("", False, None, mt, None, prompt, ptoks, _first_tool(body, api),
+                  _wants_reasoning(body, api), prefill, seed_prompt)
 
 
-def make_seq(p: Parsed, f: Faults, cfg: SimConfig, engine: Engine) -> Seq:
+def check_context(p: Parsed, api: str, limit: int) -> None:
+    """A 400 for a prompt (prefill included) and max_tokens the context cannot hold, in vLLM's
+    words, or Anthropic's for Messages."""
+    ptoks, mt = p.prompt_tokens, p.max_tokens
+    if api == "messages":
+        if ptoks > limit:
+            raise BadRequest(f"prompt is too long: {ptoks} tokens > {limit} maximum", "messages")
+        if mt is not None and ptoks + mt > limit:
+            raise BadRequest(f"input length and `max_tokens` exceed context limit: {ptoks} + {mt} "
+                             f"> {limit}, decrease input length or `max_tokens` and try again",
+                             "max_tokens")
+        return
+    if ptoks >= limit:
+        raise BadRequest(f"This model's maximum context length is {limit} tokens. However, your "
+                         f"request has {ptoks} input tokens. Please reduce the length of the "
+                         "input messages.", "input_tokens")
+    if mt is not None and ptoks + mt > limit:
+        raise BadRequest(f"'max_tokens' or 'max_completion_tokens' is too large: {mt}. This "
+                         f"model's maximum context length is {limit} tokens and your request has "
+                         f"{ptoks} input tokens ({mt} > {limit} - {ptoks}).", "max_tokens")
+
+
+@dataclass(slots=True)
+class Answer:
+    """What the engine will produce for a request: the token ids, how it ends, how many of them
+    are reasoning, and where in its plan it starts (a continued prefill's K)."""
+
+    tokens: bytes
+    target: int
+    reason: str
+    reasoning: int
+    start: int = 0
+    exact: bool = True
+
+
+def _rng(p: Parsed, cfg: SimConfig) -> random.Random:
     if p.seed is not None:
-        rng = random.Random(f"{cfg.seed}:{p.seed}")
-    else:
-        rng = random.Random(hashlib.blake2b(p.prompt, digest_size=16,
-                                            person=b"%d" % cfg.seed).digest())
+        return random.Random(f"{cfg.seed}:{p.seed}")
+    prompt = p.prompt if p.seed_prompt is None else p.seed_prompt
+    return random.Random(hashlib.blake2b(prompt, digest_size=16, person=b"%d" % cfg.seed).digest())
+
+
+def _reasoning(p: Parsed, f: Faults, cfg: SimConfig) -> int:
+    if f.reasoning_tokens is not None:
+        return f.reasoning_tokens
+    return cfg.reasoning_tokens if p.wants_reasoning else 0
+
+
+def _length(p: Parsed, f: Faults, cfg: SimConfig, drawn: int, start: int) -> tuple[int, str]:
+    """(new tokens, finish reason). The answer's own end (forced, drawn, or none under
+    max_tokens) is a plan position; a continuation from `start` has what is left of it."""
+    end, reason = (f.output_tokens, STOP) if f.output_tokens else (
+        (drawn, STOP) if p.max_tokens is None else (math.inf, LENGTH))
+    new = max(0, end - start)
+    if p.max_tokens is not None and p.max_tokens < new:
+        new, reason = p.max_tokens, LENGTH
+    # the output cap counts the prefill too, so a continuation ends where the answer would have
+    room = min(cfg.max_output_tokens - start, f.max_model_len - p.prompt_tokens)
+    if new > room:
+        new, reason = max(0, room), LENGTH
+    return int(new), reason
+
+
+def plan_answer(p: Parsed, f: Faults, cfg: SimConfig, api: str) -> Answer:
+    """The answer's tokens; a prefill is matched to the plan and its tokens join the prompt.
+    Raises BadRequest when the context cannot hold the request."""
+    rng = _rng(p, cfg)
     sigma = cfg.output_tokens_sigma
     mu = math.log(cfg.mean_output_tokens) - sigma * sigma / 2
     drawn = max(1, round(rng.lognormvariate(mu, sigma)))
-    limit = p.max_tokens
-    if f.output_tokens:
-        target, reason = f.output_tokens, STOP
-        if limit is not None and limit < target:
-            target, reason = limit, LENGTH
-    elif limit is not None:
-        target, reason = limit, LENGTH
-    else:
-        target, reason = drawn, STOP
-    room = min(cfg.max_output_tokens, cfg.max_model_len - p.prompt_tokens)
-    if target > room:
-        target, reason = room, LENGTH
+    plan = Plan(rng)
+    reasoning = _reasoning(p, f, cfg)
+    start, exact = 0, True
+    if p.prefill is not None:
+        if p.tool is None:
+            start, exact = start_of(plan, reasoning, p.prefill, cfg.bytes_per_token)
+            p.prompt_tokens += start
+        else:  # a tool call is not continued: the answer starts over, the prefill is prompt
+            exact = False
+            p.prompt_tokens += -(-p.prefill.prompt_bytes // cfg.bytes_per_token)
+    check_context(p, api, f.max_model_len)
+    target, reason = _length(p, f, cfg, drawn, start)
+    return Answer(plan.tokens(start + target)[start:], target, reason,
+                  max(0, reasoning - start), start, exact)
+
+
+def make_seq(p: Parsed, f: Faults, cfg: SimConfig, engine: Engine, a: Answer) -> Seq:
     cached = written = 0
     key = None
     if cfg.prefix_cache_bytes:
@@ -404,7 +586,7 @@ def make_seq(p: Parsed, f: Faults, cfg: SimConfig, engine: Engine) -> Seq:
         cached = engine.lookup_prefix(key, prefix_tokens)
         written = 0 if cached else prefix_tokens  # a miss fills the cache once prefilled
     return Seq(
-        p.prompt_tokens, target, reason, rng.randbytes(target),
+        p.prompt_tokens, a.target, a.reason, a.tokens,
         cached_tokens=cached,
         cache_write_tokens=written,
         prefix_key=key,
@@ -421,10 +603,12 @@ class StreamSink:
     """Receives engine callbacks for one streaming request and writes SSE bytes to the socket."""
 
     __slots__ = ("engine", "seq", "fmt", "include_usage", "role_sent", "transport", "framed",
-                 "buf", "loop", "ping_s", "ping_h", "t_quiet")
+                 "buf", "loop", "ping_s", "ping_h", "t_quiet", "error_status")
 
-    def __init__(self, engine: Engine, seq: Seq, fmt: Any, include_usage: bool) -> None:
+    def __init__(self, engine: Engine, seq: Seq, fmt: Any, include_usage: bool,
+                 error_status: int = 500) -> None:
         self.engine = engine
+        self.error_status = error_status
         self.seq = seq
         self.fmt = fmt
         self.include_usage = include_usage
@@ -478,7 +662,8 @@ class StreamSink:
         if o in (STOP, LENGTH):
             self.write(self.fmt.finish(seq, self.include_usage))
         elif o == ERROR:
-            self.write(self.fmt.error(seq.error_message, 500))
+            status = self.error_status
+            self.write(self.fmt.error(_error_message(seq, status), status))
         elif o == CUT and self.buf is None and self.transport is not None:
             self.transport.close()  # flushes what was written, then FIN: no terminator
 
@@ -536,14 +721,45 @@ async def _wait_forever() -> None:
     await asyncio.get_running_loop().create_future()
 
 
-def _output(p: Parsed, f: Faults, ep: Endpoint, cfg: SimConfig) -> formats.Output:
-    reasoning = f.reasoning_tokens
-    if reasoning is None:
-        reasoning = cfg.reasoning_tokens if p.wants_reasoning else 0
+def _output(p: Parsed, f: Faults, ep: Endpoint, cfg: SimConfig, a: Answer) -> formats.Output:
     flavour = f.provider or ep.provider or cfg.provider
-    return formats.Output(reasoning=reasoning, tool=p.tool, flavour=flavour,
+    return formats.Output(reasoning=a.reasoning, tool=p.tool, flavour=flavour,
                           per_request_metrics=cfg.per_request_metrics,
-                          cache_details=flavour != "vllm" or cfg.prompt_tokens_details)
+                          cache_details=flavour != "vllm" or cfg.prompt_tokens_details,
+                          terminator=not f.no_terminator)
+
+
+def _error_message(seq: Seq, status: int) -> str:
+    """An error_after error's message: Anthropic's overload, or the engine's failure."""
+    return "Overloaded" if status == 529 else seq.error_message
+
+
+def _response_headers(base: str, p: Parsed, a: Answer) -> dict[str, str]:
+    """X-Request-Id, and for a continued prefill the plan position it stood for (K) and whether
+    it matched the plan's text exactly."""
+    h = {"X-Request-Id": base}
+    if p.prefill is not None:
+        h["X-Sim-Prefill-Tokens"] = str(a.start)
+        h["X-Sim-Prefill"] = "exact" if a.exact else "rough"
+    return h
+
+
+def _count_faults(sim: SimState, f: Faults, stream: bool) -> None:
+    faults = sim.faults
+    if f.hang == "first_token":
+        faults["hang_first_token"] += 1
+    if f.cut_after >= 0:
+        faults["cut"] += 1
+    if f.error_after >= 0:
+        faults["error"] += 1
+    if f.stall_ms:
+        faults["stall"] += 1
+    if f.token_delay_ms:
+        faults["slow_tokens"] += 1
+    if stream and f.linger_ms:
+        faults["linger"] += 1
+    if stream and f.no_terminator:
+        faults["no_terminator"] += 1
 
 
 async def _handle(request: web.Request, ep: Endpoint) -> web.StreamResponse:
@@ -571,7 +787,8 @@ async def _handle(request: web.Request, ep: Endpoint) -> web.StreamResponse:
             raise BadRequest("anthropic-version: header is required", "anthropic-version")
         if body is None:
             raise BadRequest("request body is not valid JSON")
-        p = parse_body(body, api, cfg)
+        p = parse_body(body, api, cfg, f.continuation)
+        answer = plan_answer(p, f, cfg, api)
     except BadRequest as e:
         return error_response(e.status, e.message, e.param, api=api)
 
@@ -589,24 +806,16 @@ async def _handle(request: web.Request, ep: Endpoint) -> web.StreamResponse:
                 raise
             finally:
                 sim.hanging -= 1
-        if f.hang == "first_token":
-            sim.faults["hang_first_token"] += 1
-        if f.cut_after >= 0:
-            sim.faults["cut"] += 1
-        if f.error_after >= 0:
-            sim.faults["error"] += 1
-        if f.stall_ms:
-            sim.faults["stall"] += 1
-        if f.token_delay_ms:
-            sim.faults["slow_tokens"] += 1
-        seq = make_seq(p, f, cfg, engine)
-        out = _output(p, f, ep, cfg)
+        _count_faults(sim, f, p.stream)
+        seq = make_seq(p, f, cfg, engine, answer)
+        out = _output(p, f, ep, cfg, answer)
         base = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         rid = ep.id_prefix + base
         created = int(time.time())
+        headers = _response_headers(base, p, answer)
         if p.stream:
-            return await _stream(request, sim, seq, p, f, out, rid, created, base, api)
-        return await _unary(request, sim, seq, p, out, rid, created, base, api)
+            return await _stream(request, sim, seq, p, f, out, rid, created, headers, api)
+        return await _unary(request, sim, seq, p, f, out, rid, created, headers, api)
     finally:
         sim.active.discard(task)
 
@@ -623,19 +832,19 @@ def _stream_renderer(api: str, rid: str, created: int, p: Parsed, out: formats.O
 
 
 async def _stream(request: web.Request, sim: SimState, seq: Seq, p: Parsed, f: Faults,
-                  out: formats.Output, rid: str, created: int, base: str,
+                  out: formats.Output, rid: str, created: int, headers: dict[str, str],
                   api: str) -> web.StreamResponse:
     engine = sim.engine
     fmt = _stream_renderer(api, rid, created, p, out, seq)
     # vLLM sends usage whenever stream_options is present, unless include_usage is false
     include_usage = bool(p.include_usage or (p.include_usage is None and out.flavour == "vllm")
                          or engine.cfg.force_include_usage)
-    sink = StreamSink(engine, seq, fmt, include_usage)
+    sink = StreamSink(engine, seq, fmt, include_usage, f.error_status)
     try:
         done = engine.submit(seq)
     except QueueFull:
         return error_response(503, "The server is overloaded: waiting queue is full.", api=api)
-    resp = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE, "X-Request-Id": base})
+    resp = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE, **headers})
     try:
         writer = await resp.prepare(request)
         sink.attach(request.transport, bool(getattr(writer, "chunked", False)))
@@ -649,6 +858,8 @@ async def _stream(request: web.Request, sim: SimState, seq: Seq, p: Parsed, f: F
                 request.transport.close()
             await asyncio.sleep(10)
             return resp
+        if f.linger_ms:  # the terminal event is out; the body stays open (proxies do this)
+            await asyncio.sleep(f.linger_ms / 1000.0)
         await resp.write_eof()
         return resp
     except asyncio.CancelledError:
@@ -665,8 +876,9 @@ _BODIES = {"chat": formats.chat_body, "completions": formats.completion_body,
            "responses": responses_format.response_body, "messages": anthropic_format.message_body}
 
 
-async def _unary(request: web.Request, sim: SimState, seq: Seq, p: Parsed, out: formats.Output,
-                 rid: str, created: int, base: str, api: str) -> web.StreamResponse:
+async def _unary(request: web.Request, sim: SimState, seq: Seq, p: Parsed, f: Faults,
+                 out: formats.Output, rid: str, created: int, headers: dict[str, str],
+                 api: str) -> web.StreamResponse:
     engine = sim.engine
     try:
         done = engine.submit(seq)
@@ -682,9 +894,9 @@ async def _unary(request: web.Request, sim: SimState, seq: Seq, p: Parsed, out: 
             request.transport.close()
         await asyncio.sleep(10)
     if outcome == ERROR:
-        return error_response(500, seq.error_message, api=api)
+        return error_response(f.error_status, _error_message(seq, f.error_status), api=api)
     return web.Response(body=_BODIES[api](rid, created, p.model, seq, out), content_type=JSON,
-                        headers={"X-Request-Id": base})
+                        headers=headers)
 
 
 def _route(ep: Endpoint) -> Any:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import re
 import statistics
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -15,7 +17,7 @@ import openai
 import orjson
 import pytest
 
-from backends.sim import SimConfig, build_app, cli as sim_cli
+from backends.sim import SimConfig, build_app, cli as sim_cli, config as sim_config
 from tests.support.servers import serve_app
 from tests.support.waiting import wait_until
 
@@ -485,7 +487,7 @@ async def test_validation_errors_are_openai_400s() -> None:
              "stream_options"),
             ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, "max_tokens"),
             ("/v1/chat/completions", {**CHAT, "n": 2}, "n"),
-            ("/v1/chat/completions", {**CHAT, "max_tokens": 999}, "messages"),
+            ("/v1/chat/completions", {**CHAT, "max_tokens": 999}, "max_tokens"),
             ("/v1/completions", {"model": "m", "prompt": 5}, "prompt"),
             ("/v1/chat/completions", CHAT | {"x": 1}, "x-sim-output-tokens"),
         ]
@@ -565,10 +567,194 @@ def test_cli_knobs() -> None:
     sim_cli.add_arguments(parser)
     args = parser.parse_args(["--port", "1", "--decode-base-ms", "2", "--max-batch", "1024",
                               "--prefill-tokens-per-s", "1e9", "--served-model-name", "x,y",
-                              "--role-first", "--hang", "first_token"])
+                              "--role-first", "--hang", "first_token", "--linger-ms", "50",
+                              "--no-terminator", "--stall-rate", "0.5", "--error-type",
+                              "overloaded_error", "--no-continuation"])
     cfg = sim_cli.config_from_args(args)
+    assert (cfg.linger_ms, cfg.no_terminator, cfg.stall_rate) == (50.0, True, 0.5)
+    assert cfg.error_type == "overloaded_error" and not cfg.continuation
     assert (cfg.decode_base_ms, cfg.max_batch, cfg.prefill_tokens_per_s) == (2.0, 1024, 1e9)
     assert cfg.served_model_names == ["x", "y"] and cfg.role_first and cfg.hang == "first_token"
     assert cfg.mean_output_tokens == SimConfig().mean_output_tokens
     with pytest.raises(SystemExit):
         parser.parse_args(["--max-batch", "many"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--error-type", "teapot"])
+
+
+# --- stream ends: linger, no terminator, an error before any output ----------------------------
+
+ANTHROPIC = {"anthropic-version": "2023-06-01"}
+# per format: route, body, extra headers, the terminal event's start
+FORMATS: dict[str, tuple[str, dict[str, Any], dict[str, str], bytes]] = {
+    "chat": ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}}, {},
+             b"data: [DONE]"),
+    "completions": ("/v1/completions", {"model": "m", "prompt": "hi"}, {}, b"data: [DONE]"),
+    "messages": ("/v1/messages", CHAT, ANTHROPIC, b"event: message_stop"),
+    # max_output_tokens ends it: response.incomplete is the terminal event then
+    "responses": ("/v1/responses", {"model": "m", "input": "hi"}, {},
+                  b"event: response.incomplete"),
+}
+
+
+async def raw_stream(url: str, fmt: str, headers: dict[str, str],
+                     max_tokens: int = 3) -> tuple[list[tuple[float, bytes]], float]:
+    """(arrival time, event) of a whole stream that ends cleanly, and when its body ended."""
+    path, body, extra, _ = FORMATS[fmt]
+    limit = "max_output_tokens" if fmt == "responses" else "max_tokens"
+    rs = await RawStream.open(url, {**body, "stream": True, limit: max_tokens}, path,
+                              {"X-Request-Id": "same", **extra, **headers})
+    await rs.read_headers()
+    assert rs.status == 200
+    evs = [(t, ev) async for t, ev in rs.events()]  # a truncated body raises here
+    ended = time.monotonic()
+    rs.close()
+    return evs, ended
+
+
+@pytest.mark.parametrize("fmt", ["chat", "messages", "responses"])
+async def test_fault_linger_keeps_the_body_open_after_the_terminal_event(fmt: str) -> None:
+    async with sim() as url:
+        evs, ended = await raw_stream(url, fmt, {"x-sim-linger-ms": "300"})
+        terminal = FORMATS[fmt][3]
+        assert evs[-1][1].startswith(terminal)
+        assert ended - evs[-1][0] >= 0.25
+        assert (await stats(url))["faults"]["linger"] == 1
+
+
+def _timeless(ev: bytes) -> bytes:
+    return re.sub(rb'"created(_at)?":\d+', b"", ev)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+async def test_fault_no_terminator_ends_the_body_cleanly_without_the_terminal_event(
+        fmt: str) -> None:
+    async with sim() as url:
+        evs, _ = await raw_stream(url, fmt, {"x-sim-no-terminator": "1"})
+        whole, _ = await raw_stream(url, fmt, {})
+    got, want = [_timeless(ev) for _, ev in evs], [_timeless(ev) for _, ev in whole]
+    assert want[-1].startswith(FORMATS[fmt][3])
+    assert got == want[:-1]  # everything but the terminal event: finish, usage, closing events
+    if fmt == "chat":
+        assert b'"finish_reason":"length"' in got[-2] and b'"usage"' in got[-1]
+
+
+async def test_fault_no_terminator_after_an_error() -> None:
+    async with sim(no_terminator=True) as url:
+        evs, _ = await raw_stream(url, "chat", {"x-sim-error-after": "1"})
+    assert b'"InternalServerError"' in evs[-1][1] and is_token(evs[-2][1])
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+async def test_fault_error_before_any_output(fmt: str) -> None:
+    """x-sim-error-after: 0: a 200 whose first event after the opening ones is the error."""
+    async with sim() as url:
+        evs, _ = await raw_stream(url, fmt, {"x-sim-error-after": "0"})
+    kinds = [ev.split(b"\n")[0] for _, ev in evs]
+    if fmt in ("chat", "completions"):
+        assert kinds[1] == b"data: [DONE]" and len(kinds) == 2
+        assert orjson.loads(evs[0][1][6:])["error"]["type"] == "InternalServerError"
+    elif fmt == "messages":
+        assert kinds == [b"event: message_start", b"event: ping", b"event: error"]
+        assert orjson.loads(evs[2][1].split(b"data: ")[1])["error"]["type"] == "api_error"
+    else:
+        assert kinds == [b"event: response.created", b"event: response.in_progress",
+                         b"event: error", b"event: response.failed"]
+
+
+async def test_fault_error_type_overloaded() -> None:
+    async with sim() as url:
+        hdrs = {"x-sim-error-after": "0", "x-sim-error-type": "overloaded_error"}
+        evs, _ = await raw_stream(url, "messages", hdrs)
+        err = orjson.loads(evs[-1][1].split(b"data: ")[1])
+        assert err == {"type": "error", "error": {"type": "overloaded_error",
+                                                  "message": "Overloaded"}}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/messages", json={**CHAT, "max_tokens": 3},
+                              headers={**ANTHROPIC, **hdrs}) as r:
+                assert r.status == 529
+                assert (await r.json())["error"]["type"] == "overloaded_error"
+            async with s.post(url + "/v1/messages", json={**CHAT, "max_tokens": 3},
+                              headers={**ANTHROPIC, "x-sim-error-type": "bad"}) as r:
+                assert r.status == 400
+
+
+# --- context length, in real engines' words ---------------------------------------------------
+
+async def test_context_length_errors_in_vllm_and_anthropic_words() -> None:
+    async with sim(max_model_len=100) as url:
+        async with aiohttp.ClientSession() as s:
+            async def err(path: str, body: dict[str, Any],
+                          headers: dict[str, str] | None = None) -> dict[str, Any]:
+                async with s.post(url + path, json=body, headers=headers) as r:
+                    assert r.status == 400
+                    out: dict[str, Any] = (await r.json())["error"]
+                    return out
+
+            big = err("/v1/chat/completions", {**CHAT, "max_tokens": 95})
+            assert (await big) == {
+                "message": "'max_tokens' or 'max_completion_tokens' is too large: 95. This "
+                           "model's maximum context length is 100 tokens and your request has 6 "
+                           "input tokens (95 > 100 - 6).",
+                "type": "BadRequestError", "param": "max_tokens", "code": 400}
+            long = await err("/v1/completions", {"model": "m", "prompt": "x" * 400})
+            assert long["message"] == (
+                "This model's maximum context length is 100 tokens. However, your request has "
+                "100 input tokens. Please reduce the length of the input messages.")
+            small = await err("/v1/chat/completions", {**CHAT, "max_tokens": 20},
+                              {"x-sim-max-model-len": "20"})
+            assert "maximum context length is 20 tokens" in small["message"]
+            a_long = await err("/v1/messages", {"model": "m", "max_tokens": 1, "messages": [
+                {"role": "user", "content": "x" * 404}]}, ANTHROPIC)
+            assert a_long == {"type": "invalid_request_error",
+                              "message": "prompt is too long: 101 tokens > 100 maximum"}
+            a_big = await err("/v1/messages", {**CHAT, "max_tokens": 95}, ANTHROPIC)
+            assert a_big["message"] == ("input length and `max_tokens` exceed context limit: "
+                                        "6 + 95 > 100, decrease input length or `max_tokens` "
+                                        "and try again")
+            async with s.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": 94}) as r:
+                assert r.status == 200
+
+
+# --- stall rate --------------------------------------------------------------------------------
+
+async def test_fault_stall_rate_stalls_only_a_share_of_requests() -> None:
+    async with sim(stall_ms=1.0, stall_rate=0.5) as url:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(40):
+                async with s.post(url + "/v1/chat/completions",
+                                  json={**CHAT, "max_tokens": 1}) as r:
+                    assert r.status == 200
+            stalled = (await stats(url))["faults"]["stall"]
+            assert 5 < stalled < 35
+            async with s.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": 1},
+                              headers={"x-sim-stall-rate": "2"}) as r:
+                assert r.status == 400
+        fast, _, _ = await stream_times(url, {**CHAT, "max_tokens": 2},
+                                        {"x-sim-stall-ms": "2000", "x-sim-stall-rate": "0"})
+        assert fast < 1.0 and (await stats(url))["faults"]["stall"] == stalled
+
+
+async def test_new_knobs_through_sim_config() -> None:
+    async with sim() as url:
+        async with aiohttp.ClientSession() as s:
+            new = {"linger_ms": 5, "no_terminator": True, "stall_rate": 0.25,
+                   "error_type": "overloaded_error", "continuation": False}
+            async with s.post(url + "/sim/config", json=new) as r:
+                assert r.status == 200 and new.items() <= (await r.json()).items()
+            for bad in ({"stall_rate": 1.5}, {"error_type": "nope"}, {"linger_ms": -1}):
+                async with s.post(url + "/sim/config", json=bad) as r:
+                    assert r.status == 400, bad
+
+
+def test_every_knob_and_header_is_documented() -> None:
+    """backends/sim/README.md's tables name every SimConfig knob's option and every x-sim-*
+    header the server reads."""
+    root = Path(__file__).resolve().parents[2] / "backends" / "sim"
+    readme = (root / "README.md").read_text()
+    for name in sim_config.KNOBS:
+        assert f"| `{sim_cli._opt(name)}` |" in readme, name
+    headers = set(re.findall(r'"(x-sim-[a-z-]+)"', (root / "server.py").read_text()))
+    assert len(headers) > 15
+    for h in headers:
+        assert f"`{h}:" in readme, h
