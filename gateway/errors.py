@@ -41,6 +41,15 @@ ATTEMPT_CUT = "cut"  # the upstream closed or lost the stream before its end
 ATTEMPT_STALLED = "stalled"  # the idle deadline ended it
 ATTEMPT_IN_BAND_ERROR = "in_band_error"  # the upstream said so in the stream
 
+# An attempt's result in words, for an operator (what a backend's breaker remembers as its last
+# failure); http_<status> is "status <N>", a connect error names the address and why.
+_RESULT_WORDS = {
+    FIRST_TOKEN: "no first token before the deadline",
+    TOTAL: "ran past the request's total deadline",
+    CLOSED_BEFORE_FIRST_TOKEN: "closed the stream before the first token",
+    ATTEMPT_CUT: "closed the connection before the end of its answer",
+}
+
 
 class GatewayError(Exception):
     """Answered to the client as an HTTP error in the client's API format."""
@@ -98,7 +107,7 @@ class AttemptFailed(Exception):
     def __init__(self, result: str, status: int, message: str, code: str, *,
                  retryable: bool = True, retry_after_s: float | None = None,
                  response: tuple[int, Any, bytes] | None = None,
-                 judges_backend: bool = True) -> None:
+                 judges_backend: bool = True, cause: str = "") -> None:
         super().__init__(message)
         self.result = result
         self.status = status
@@ -109,6 +118,19 @@ class AttemptFailed(Exception):
         self.response = response
         # False when the failure says nothing about the replica's health (a rate limit).
         self.judges_backend = judges_backend
+        self._cause = cause
+
+    @property
+    def cause(self) -> str:
+        """This failure in a few words for an operator: `127.0.0.1:9: connection refused`,
+        `status 503`, `no first token before the deadline`."""
+        if self._cause:
+            return self._cause
+        if self.result in _RESULT_WORDS:
+            return _RESULT_WORDS[self.result]
+        if self.result.startswith("http_"):
+            return f"status {self.result[5:]}"
+        return self.message.rstrip(".")
 
     def as_gateway_error(self) -> GatewayError:
         """The gateway's own answer for this failure, when no upstream answer passes through."""

@@ -105,8 +105,7 @@ async def startup(app: web.Application) -> None:
     """The replicas (pools, health checks), the finisher and its sinks, admission with its
     shared state (Redis, or the host's workers), and the proxy over all of them."""
     cfg, metrics, worker = app[CONFIG_KEY], app[METRICS_KEY], app[WORKER_KEY]
-    replicas = [Replica(b, cfg.breaker, lambda name, st: metrics.breaker.labels(name).set(st))
-                for b in cfg.backends]
+    replicas = [Replica(b, cfg.breaker, metrics) for b in cfg.backends]
     for r in replicas:
         r.start_health_checks()
     app[ROUTER_KEY] = router = Router(replicas)

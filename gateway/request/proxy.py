@@ -291,7 +291,7 @@ class Proxy:
             ex.last_failure = e
             self.metrics.child(self.metrics.attempts, (replica.name, e.result)).inc()
             if e.judges_backend and not self._clients_own(e, attempt, overrides):
-                replica.breaker.failure()
+                replica.breaker.failure(e.cause)
             elif attempt.probe:
                 replica.breaker.release()
             attempt.close()
@@ -428,7 +428,7 @@ class Proxy:
             up = await upstream.send(replica.connector, target, headers, data, timeout)
         except UpstreamUnreachable as e:
             raise AttemptFailed(CONNECT_ERROR, 502, f"Backend '{replica.name}' is unreachable: "
-                                f"{e}.", "upstream_unreachable") from None
+                                f"{e}.", "upstream_unreachable", cause=str(e)) from None
         finally:
             CONNECTING.reset(connecting)
         attempt.response = up
