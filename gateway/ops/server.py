@@ -44,6 +44,7 @@ from gateway.ops.workers import WorkerContext
 from gateway.request.finish import Finisher
 from gateway.request.proxy import Proxy
 from gateway.request.slo import SLOPolicy
+from gateway.telemetry import access_log
 from gateway.telemetry.otlp_metrics import OTLPMetrics
 from gateway.telemetry.prometheus import Metrics
 from gateway.telemetry.tracing import Tracing
@@ -282,6 +283,7 @@ def run(config_path: str, host: str | None = None, port: int | None = None,
         return 2
     if not cfg.server.access_log:
         logging.getLogger("slogate.access").setLevel(logging.WARNING)
+    access_log.use(cfg.server.access_log_format)
     host = host or cfg.server.host
     port = cfg.server.port if port is None else port
     if workers is None:
