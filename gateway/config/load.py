@@ -262,6 +262,10 @@ def _server(table: Any) -> ServerConfig:
     commit = _typed("server", table, "commit", str, d.commit, '"first_token" or "headers"')
     if commit not in ("first_token", "headers"):
         raise ConfigError("server.commit", commit, '"first_token" or "headers"')
+    log_format = _typed("server", table, "access_log_format", str, d.access_log_format,
+                        '"json" or "text"')
+    if log_format not in ("json", "text"):
+        raise ConfigError("server.access_log_format", log_format, '"json" or "text"')
 
     def seconds(key: str, positive: bool = False) -> float:
         return _seconds("server", table, key, getattr(d, key), positive)
@@ -272,6 +276,7 @@ def _server(table: Any) -> ServerConfig:
         max_body_bytes=max_body,
         commit=commit,
         access_log=_typed("server", table, "access_log", bool, d.access_log, "true or false"),
+        access_log_format=log_format,
         drain_timeout_s=seconds("drain_timeout_s"),
         readiness_grace_s=seconds("readiness_grace_s"),
         keepalive_s=seconds("keepalive_s"),

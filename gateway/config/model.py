@@ -18,7 +18,9 @@ class ServerConfig:
     # "first_token": hold the client's response headers until the first token (so a failure
     # before it can still become a clean error); "headers": commit when upstream headers arrive.
     commit: str = "first_token"
-    access_log: bool = True  # one JSON line per finished request
+    access_log: bool = True  # one line per finished request on stderr
+    # "json": every field, for a log pipeline; "text": one short line for a terminal.
+    access_log_format: str = "json"
     # SIGTERM: /readyz turns false, listening stops after readiness_grace_s, in-flight requests
     # get up to drain_timeout_s, then streams end with an error event.
     drain_timeout_s: float = 30.0

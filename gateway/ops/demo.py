@@ -186,7 +186,9 @@ async def main(duration: float | None, port: int, sim_port: int, concurrency: in
         if got != want:  # the README's URL would reach whatever holds that port
             print(f"slogate demo: port {want} is taken; the {what} listens on {got} instead",
                   flush=True)
+    # The summary table reads the gateway's JSON access log (sim.toml's own is short text).
     env = dict(os.environ, SLOGATE_SERVER_PORT=str(port),
+               SLOGATE_SERVER_ACCESS_LOG_FORMAT="json",
                SLOGATE_BACKEND_SIM_BASE_URL=f"http://127.0.0.1:{sim_port}/v1")
     py = sys.executable
     sim = subprocess.Popen([py, "-m", "gateway", "sim", "--port", str(sim_port),

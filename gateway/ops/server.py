@@ -44,6 +44,7 @@ from gateway.ops.workers import WorkerContext
 from gateway.request.finish import Finisher
 from gateway.request.proxy import Proxy
 from gateway.request.slo import SLOPolicy
+from gateway.telemetry import access_log
 from gateway.telemetry.otlp_metrics import OTLPMetrics
 from gateway.telemetry.prometheus import Metrics
 from gateway.telemetry.tracing import Tracing
@@ -105,8 +106,7 @@ async def startup(app: web.Application) -> None:
     """The replicas (pools, health checks), the finisher and its sinks, admission with its
     shared state (Redis, or the host's workers), and the proxy over all of them."""
     cfg, metrics, worker = app[CONFIG_KEY], app[METRICS_KEY], app[WORKER_KEY]
-    replicas = [Replica(b, cfg.breaker, lambda name, st: metrics.breaker.labels(name).set(st))
-                for b in cfg.backends]
+    replicas = [Replica(b, cfg.breaker, metrics) for b in cfg.backends]
     for r in replicas:
         r.start_health_checks()
     app[ROUTER_KEY] = router = Router(replicas)
@@ -283,6 +283,7 @@ def run(config_path: str, host: str | None = None, port: int | None = None,
         return 2
     if not cfg.server.access_log:
         logging.getLogger("slogate.access").setLevel(logging.WARNING)
+    access_log.use(cfg.server.access_log_format)
     host = host or cfg.server.host
     port = cfg.server.port if port is None else port
     if workers is None:

@@ -327,7 +327,7 @@ class Proxy:
             ex.last_failure = e.as_record()
             self.metrics.child(self.metrics.attempts, (replica.name, e.result)).inc()
             self._judge(attempt, e.judges_backend and not self._clients_own(
-                e.result, attempt, overrides))
+                e.result, attempt, overrides), e.cause)
             attempt.close()
             raise
         except BaseException:
@@ -344,16 +344,18 @@ class Proxy:
             backends_fault = ex.status >= 500 or (
                 result in BACKEND_FAULTS and not failures.request_error_type(ex.error_type))
             self._judge(attempt, backends_fault
-                        and not self._clients_own(result, attempt, overrides))
+                        and not self._clients_own(result, attempt, overrides),
+                        f"status {ex.status}" if ex.status >= 400
+                        else f"{result} after the first token ({ex.error_type})")
         return response
 
     @staticmethod
-    def _judge(attempt: Attempt, failed: bool) -> None:
+    def _judge(attempt: Attempt, failed: bool, cause: str) -> None:
         """A failure that says something about the replica goes to its breaker; anything
         else (a rate limit, the request's own 4xx, a deadline the client tightened) leaves it
         as it was, but a half-open probe this attempt held goes to the next request."""
         if failed:
-            attempt.replica.breaker.failure()
+            attempt.replica.breaker.failure(cause)
         elif attempt.probe:
             attempt.replica.breaker.release()
 
@@ -494,7 +496,7 @@ class Proxy:
             up = await upstream.send(replica.connector, target, headers, data, timeout)
         except UpstreamUnreachable as e:
             raise AttemptFailed(CONNECT_ERROR, 502, f"Backend '{replica.name}' is unreachable: "
-                                f"{e}.", "upstream_unreachable") from None
+                                f"{e}.", "upstream_unreachable", cause=str(e)) from None
         finally:
             CONNECTING.reset(connecting)
         attempt.response = up

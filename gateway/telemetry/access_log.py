@@ -1,12 +1,17 @@
-"""The access log: one JSON line per request, written once from the finished record (stage
-durations and outcome, never content or keys)."""
+"""The access log: one line per request, written once from the finished record (stage
+durations and outcome, never content or keys). Two formats, chosen at start-up
+(`[server] access_log_format`): `json`, every field, for a log pipeline; `text`, one short
+line a person can read in a terminal (time, status, outcome, route, model and backend, TTFT,
+E2E, tokens)."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from gateway.errors import OK
 from gateway.telemetry import durations
 from gateway.telemetry.attribution import TTFTSplit, cache_bucket, prompt_bucket
 
@@ -15,10 +20,58 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("slogate.access")
 
+FORMATS = ("json", "text")
+# The text line's client- or config-chosen fields are clipped so that it stays short: ~90
+# characters for a usual request, ~135 for a long model name on the longest route, 160 at most.
+_MODEL_CHARS, _BACKEND_CHARS, _REASON_CHARS = 24, 12, 22
+_text = False  # the format in use (use()), one per process like the logger itself
+
+
+def use(fmt: str) -> None:
+    """Write the access log in `fmt` (one of FORMATS) from now on."""
+    global _text
+    _text = fmt == "text"
+
 
 def write(ex: Exchange, split: TTFTSplit | None) -> None:
     if log.isEnabledFor(logging.INFO):
-        log.info(orjson.dumps(record(ex, split)).decode())
+        log.info(text_line(ex) if _text else orjson.dumps(record(ex, split)).decode())
+
+
+def _short(value: str | None, n: int) -> str:
+    """A field of the text line: printable (a client's model name must not reach a terminal
+    as control characters), at most n characters."""
+    if not value:
+        return "-"
+    shown = "".join(c if c.isprintable() and not c.isspace() else "?" for c in value)
+    return shown if len(shown) <= n else shown[:n - 1] + "…"
+
+
+def _ms(ms: float) -> str:
+    return f"{ms:.0f}ms" if ms < 10_000 else f"{ms / 1e3:.1f}s"
+
+
+def text_line(ex: Exchange, now: float | None = None) -> str:
+    """`14:02:07 200 ok /v1/chat/completions sim-llama-8b@sim ttft=41ms e2e=655ms 21+64 tok`:
+    a failure says why instead of `ok` (its error type, else its outcome), a missed SLO says
+    which (`slo=ttft_missed`); what is not known is left out."""
+    ms = durations.durations_ms(ex)
+    if ex.outcome == OK or not ex.error_type or ex.error_type.isdigit():  # digits: the status
+        result = ex.outcome or "unknown"
+    else:
+        result = _short(ex.error_type, _REASON_CHARS)
+    parts = [time.strftime("%H:%M:%S", time.localtime(now)), str(ex.status or "-"), result,
+             ex.route, f"{_short(ex.model, _MODEL_CHARS)}@{_short(ex.backend, _BACKEND_CHARS)}"]
+    parts += [f"{name}={_ms(ms[name])}" for name in ("ttft", "e2e") if name in ms]
+    if ex.prompt_tokens is not None or ex.completion_tokens is not None:
+        parts.append(f"{_count(ex.prompt_tokens)}+{_count(ex.completion_tokens)} tok")
+    if ex.verdict and ex.verdict.endswith("_missed"):
+        parts.append(f"slo={ex.verdict}")
+    return " ".join(parts)
+
+
+def _count(n: int | None) -> str:
+    return "?" if n is None else str(n)
 
 
 def log_ms(ex: Exchange) -> dict[str, float]:

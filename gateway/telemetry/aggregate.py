@@ -12,7 +12,8 @@ format the scraper asked for:
 - counters, histograms and summaries: summed per series (`_created` takes the earliest);
 - gauges: summed (requests in flight, queued, open connections, queue depth, memory, fds),
   except those that describe one worker's own state, which keep a `worker` label
-  (`PER_WORKER_GAUGES`: breaker state, shared-state mode, process start time and fd limit);
+  (`PER_WORKER_GAUGES`: breaker state, health-check verdict, shared-state mode, process start
+  time and fd limit);
 - exemplars: the newest one of a bucket, whichever worker had it.
 
 A worker that died leaves its counters behind: the supervisor folds its last file into
@@ -38,8 +39,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar, Sample
 
 PER_WORKER_GAUGES = frozenset({
-    "slogate_backend_breaker_state", "slogate_admission_shared_state",
-    "process_start_time_seconds", "process_max_fds",
+    "slogate_backend_breaker_state", "slogate_backend_healthy",
+    "slogate_admission_shared_state", "process_start_time_seconds", "process_max_fds",
 })
 DEAD = "dead.json"
 SUPERVISOR = "supervisor.json"

@@ -28,6 +28,7 @@ from gateway.telemetry.attribution import TTFTSplit, cache_bucket, prompt_bucket
 from gateway.telemetry.counter import Counter, Gauge as UnlabelledGauge
 from gateway.telemetry.tenants import TenantMetrics
 from gateway.timeline import Gaps
+from gateway.upstream.health import STATE_NAMES
 
 # TTFT / E2E reach 600 s (reasoning models think for minutes); fine enough at the low end for
 # hosted fast engines.
@@ -210,6 +211,17 @@ class Metrics:
         self.breaker = Gauge("slogate_backend_breaker_state",
                              "Circuit breaker per backend replica: 0 closed, 1 half-open, 2 open.",
                              ("backend",), registry=self.registry)
+        self.breaker_transitions = Counter("slogate_breaker_transitions",
+                                           "Circuit breaker state changes per backend replica, "
+                                           "by the state it went to (open, half_open, closed).",
+                                           ("backend", "to"), registry=self.registry)
+        self.backend_healthy = Gauge("slogate_backend_healthy",
+                                     "The active health checks' verdict per backend replica: 1 "
+                                     "healthy (or not checked), 0 failing.", ("backend",),
+                                     registry=self.registry)
+        self.health_check_failures = Counter("slogate_health_check_failures",
+                                             "Active health checks that failed, per backend "
+                                             "replica.", ("backend",), registry=self.registry)
         self.shared_state = Gauge("slogate_admission_shared_state",
                                   "Where admission keeps its per-replica counts: 1 on the state in "
                                   "use (redis = shared across gateways, local = this gateway's "
@@ -234,6 +246,21 @@ class Metrics:
             self.queue_depth.labels(cls).set(0)
         for name in backend_names:
             self.breaker.labels(name).set(0)
+            self.backend_healthy.labels(name).set(1)
+            self.health_check_failures.labels(name)
+            for state in STATE_NAMES.values():
+                self.breaker_transitions.labels(name, state)
+
+    # -- a replica's health (upstream/routing.py's HealthSink) ---------------------------------
+
+    def breaker_changed(self, backend: str, state: int) -> None:
+        self.breaker.labels(backend).set(state)
+        self.child(self.breaker_transitions, (backend, STATE_NAMES[state])).inc()
+
+    def health_checked(self, backend: str, ok: bool) -> None:
+        self.backend_healthy.labels(backend).set(1 if ok else 0)
+        if not ok:
+            self.child(self.health_check_failures, (backend,)).inc()
 
     def child(self, metric: Any, labels: tuple[str, ...]) -> Any:
         """metric.labels(*labels), cached: prometheus_client's lookup costs a lock and a

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable, Collection, Iterator
+import math
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -18,6 +21,26 @@ from gateway.transport.client import Target
 from gateway.transport.connector import TimedConnector
 from gateway.upstream import health
 from gateway.upstream.health import Breaker
+from gateway.upstream.incidents import BackendLog, seconds
+
+# At most this many backends are described in a 503 (the rest are counted).
+MAX_DESCRIBED = 3
+
+
+class HealthSink(Protocol):
+    """What counts each replica's health (telemetry/prometheus.py's Metrics)."""
+
+    def breaker_changed(self, backend: str, state: int) -> None: ...
+
+    def health_checked(self, backend: str, ok: bool) -> None: ...
+
+
+class _NoSink:
+    def breaker_changed(self, backend: str, state: int) -> None:
+        pass
+
+    def health_checked(self, backend: str, ok: bool) -> None:
+        pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,18 +60,26 @@ class Replica:
     """One configured backend: its config, its own connection pool and its health."""
 
     __slots__ = ("cfg", "session", "api_key", "address", "port", "breaker", "healthy",
-                 "provider", "_health_task", "_targets", "connector", "timeout")
+                 "provider", "_health_task", "_targets", "connector", "timeout", "sink", "log",
+                 "clock", "check_failure", "unhealthy_since")
 
     def __init__(self, cfg: BackendConfig, breaker: BreakerPolicy,
-                 on_state: Callable[[str, int], None] = lambda name, state: None) -> None:
+                 sink: HealthSink | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.provider = provider_for(cfg.type, cfg.provider)
         self.api_key = cfg.api_key()
         url = urlsplit(cfg.base_url)
         self.address = url.hostname or ""
         self.port = url.port or (443 if url.scheme == "https" else 80)
-        self.breaker = Breaker(breaker, lambda state: on_state(cfg.name, state))
+        self.sink = sink = sink or _NoSink()
+        self.clock = clock
+        self.log = BackendLog(cfg.name, clock)  # the operator's lines (upstream/incidents.py)
+        self.breaker = Breaker(breaker, lambda state: sink.breaker_changed(cfg.name, state),
+                               clock, self.log)
         self.healthy = True  # from active checks (always true without them)
+        self.check_failure = ""  # why the active check fails, in words
+        self.unhealthy_since = 0.0
         self._health_task: asyncio.Task[None] | None = None
         self._targets: dict[str, Target] = {}
         self.connector = connector = TimedConnector(limit=cfg.pool_size,
@@ -93,11 +124,24 @@ class Replica:
             self._health_task = asyncio.create_task(health.check_forever(
                 url, self.cfg.health_interval_s, self.session, self._report_health))
 
-    def _report_health(self, ok: bool) -> None:
-        if ok != self.healthy:
-            health.log.warning("backend %s is %s (active check)", self.name,
-                               "healthy again" if ok else "unhealthy")
-        self.healthy = ok
+    def _report_health(self, failure: str) -> None:
+        """One active check's verdict ("" healthy, else why not): counted every time, logged
+        when it changes."""
+        ok = not failure
+        self.sink.health_checked(self.name, ok)
+        if ok and not self.healthy:
+            self.log.check_recovered(self.clock() - self.unhealthy_since)
+        elif not ok and self.healthy:
+            self.unhealthy_since = self.clock()
+            self.log.check_failed(failure)
+        self.healthy, self.check_failure = ok, failure
+
+    def why_unavailable(self) -> str:
+        """Why no request may go here now, in words (for a 503 no_healthy_backend)."""
+        if not self.healthy:
+            return (f"failing its health check for {seconds(self.clock() - self.unhealthy_since)}"
+                    f": {self.check_failure}")
+        return self.breaker.why_unavailable()
 
     async def close(self) -> None:
         if self._health_task is not None:
@@ -156,11 +200,7 @@ class Router:
                 continue
             if replica.breaker.acquire():
                 return replica, replica.cfg.aliases.get(model, model)
-        untried = [r for r in cands if r not in exclude]
-        wait = min((r.breaker.retry_after_s() for r in untried), default=1.0)
-        raise GatewayError(503, f"No healthy backend for the model '{model}' right now.",
-                           "no_healthy_backend", outcome="upstream_error",
-                           headers={"Retry-After": str(max(1, round(wait)))})
+        raise no_healthy_backend(model, [r for r in cands if r not in exclude])
 
     def unavailable_models(self) -> list[str]:
         """Configured models with no replica that could take a request now (for /readyz)."""
@@ -175,3 +215,17 @@ class Router:
     async def close(self) -> None:
         for r in self.replicas:
             await r.close()
+
+
+def no_healthy_backend(model: str, replicas: Sequence[Replica]) -> GatewayError:
+    """503 no_healthy_backend for `model`, saying which of its backends are down and why
+    (their last failure), with the soonest breaker's Retry-After."""
+    wait = min((r.breaker.retry_after_s() for r in replicas), default=1.0)
+    down = [f"Backend '{r.name}' is unavailable ({r.why_unavailable()})."
+            for r in replicas[:MAX_DESCRIBED]]
+    if len(replicas) > MAX_DESCRIBED:
+        down.append(f"{len(replicas) - MAX_DESCRIBED} more backends are unavailable.")
+    return GatewayError(503, " ".join([f"No healthy backend for the model '{model}' right "
+                                       "now.", *down]),
+                        "no_healthy_backend", outcome="upstream_error",
+                        headers={"Retry-After": str(max(1, math.ceil(wait)))})

@@ -27,6 +27,8 @@ def test_minimal_config_defaults() -> None:
     ({"server": {"port": "80"}, "backends": [BACKEND]}, "server.port", "integer port"),
     ({"server": {"port": 70000}, "backends": [BACKEND]}, "server.port", "integer port"),
     ({"server": {"commit": "never"}, "backends": [BACKEND]}, "server.commit", "first_token"),
+    ({"server": {"access_log_format": "xml"}, "backends": [BACKEND]}, "server.access_log_format",
+     "\"json\" or \"text\""),
     ({"server": {"hots": "x"}, "backends": [BACKEND]}, "server.hots", "one of the keys"),
     ({"backends": [{"name": "a", "base_url": "localhost:8000"}]}, "backends[0].base_url",
      "http(s) URL"),
