@@ -152,6 +152,22 @@ class AttemptFailed(Exception):
         return GatewayError(self.status, self.message, self.code, outcome=outcome)
 
 
+class StreamBroken(Exception):
+    """A committed stream could not complete (cut, stalled, an event over the limit) and the
+    answer so far could be continued elsewhere: the proxy decides whether it is, or ends the
+    stream with this error event in the client's format."""
+
+    def __init__(self, result: str, reason: str, outcome: str, message: str, code: str) -> None:
+        super().__init__(message)
+        self.result = result  # the attempt's result (upstream_attempts_total{result})
+        self.reason, self.outcome, self.message, self.code = reason, outcome, message, code
+
+    def as_record(self) -> StreamBroken:
+        """Plain data, as AttemptFailed.as_record: no frames kept."""
+        self.__traceback__ = self.__context__ = self.__cause__ = None
+        return self
+
+
 class ClientGone(Exception):
     """The client went away while we wrote to it."""
 

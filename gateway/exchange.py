@@ -99,7 +99,8 @@ class Exchange:
         "on_first_token",
         # the phases' working state
         "api", "operation", "key", "body", "parsed", "attempt", "ticket", "response",
-        "retry_budget_at", "last_failure", "too_long_for", "captured_output",
+        "retry_budget_at", "last_failure", "too_long_for", "continuable", "streamed_text",
+        "continued_from", "captured_output",
     )
 
     def __init__(self, route: str, gap_bounds_ns: tuple[int, ...] = ()) -> None:
@@ -169,7 +170,30 @@ class Exchange:
         self.retry_budget_at = 0  # no new attempt starts after this (monotonic ns)
         self.last_failure: AttemptFailed | None = None  # of the latest failed attempt
         self.too_long_for: list[str] = []  # models that said the prompt exceeds their context
+        # Mid-stream continuation: may this stream be continued if it breaks, the text the
+        # client got so far (kept only then), and the token count at each continuation.
+        self.continuable = False
+        self.streamed_text: list[str] = []
+        self.continued_from: list[int] = []
         self.captured_output: list[str] | None = None  # output text, content capture only
+
+    def continuing(self, result: str, span: Any) -> None:
+        """Record the current attempt, committed and broken, as done with: the next one
+        continues its answer. What the client already has (first token, token stamps, the
+        answer's id) stays; what the next attempt reports starts again."""
+        a = self.attempt
+        if a is not None:
+            a.t_sent, a.t_end, a.result, a.status, a.span = (self.t_sent, now_ns(), result,
+                                                             self.status, span)
+            self.attempts.append(a)
+            self.attempt = None
+        self.continued_from.append(self.token_events)
+        self.prompt_tokens = self.completion_tokens = None
+        self.usage_source = None
+        self.finish_reasons = []
+        self.done = False
+        self.error_type = None
+        self.interruption = None
 
     def attempt_failed(self, result: str, span: Any) -> None:
         """Record the current attempt as failed and clear what it observed, so the next one

@@ -128,6 +128,15 @@ class Prepared:
     usage_injected: bool = False  # the gateway asked for usage: drop the usage-only chunk
 
 
+@dataclass(frozen=True, slots=True)
+class Splice:
+    """What a continuation's events are rewritten to: the answer the client has been reading
+    (its id and model) and how many tokens of it came before (for the usage it reports)."""
+    response_id: str | None
+    model: str | None
+    tokens_before: int
+
+
 class Api(ABC):
     """One client API family. Instances are stateless and shared by all requests."""
 
@@ -189,6 +198,28 @@ class Api(ABC):
     def output_text(self, event: SSEEvent) -> str | None:
         """The model text in one event, for opt-in content capture only (never on the hot
         path unless the operator asked for it)."""
+        return None
+
+    # -- mid-stream continuation (an API that can, overrides all three) ------------------------
+    continues = False
+
+    def continuation_text(self, event: SSEEvent) -> tuple[str, str | None] | None:
+        """The text a token event adds to an answer that a prefill could continue, and the
+        answer's id the event names; None when it adds something a prefill cannot carry on
+        (reasoning, a tool call, several choices)."""
+        return None
+
+    def continuation_body(self, body: dict[str, Any], route: str, text: str,
+                          tokens: int) -> dict[str, Any] | None:
+        """The request that continues an answer cut after `text` (`tokens` tokens of it): the
+        same request with that text as the assistant's to continue, and a token limit reduced
+        by what was sent. None where it cannot be continued."""
+        return None
+
+    def splice_event(self, event: SSEEvent, splice: Splice) -> bytes | None:
+        """One event of a continuation as the client's stream goes on with it: the answer's
+        own id and model, no second opening, usage that counts what the client received.
+        None: the event is dropped."""
         return None
 
 

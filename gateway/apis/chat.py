@@ -20,6 +20,7 @@ from gateway.apis.base import (
     EventInfo,
     Prepared,
     Provider,
+    Splice,
     TimingReader,
     TokenShape,
     bounded,
@@ -257,6 +258,97 @@ class ChatCompletions(Api):
         return "".join(parts) or None
 
 
+class ContinuableChat(ChatCompletions):
+    """Chat and completions with mid-stream continuation: the text so far goes back as the
+    assistant message to continue (vLLM and SGLang's `continue_final_message` with
+    `add_generation_prompt: false`), or appended to a completion's prompt."""
+
+    continues = True
+
+    def continuation_text(self, event: SSEEvent) -> tuple[str, str | None] | None:
+        obj = json_object(event.data)
+        choices = obj.get("choices") if obj else None
+        if not isinstance(choices, list) or len(choices) > 1:
+            return None
+        text = ""
+        for choice in choices:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                return None
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                if delta.get("tool_calls") or delta.get("reasoning") \
+                        or delta.get("reasoning_content") or delta.get("function_call"):
+                    return None  # a prefill of content cannot carry these on
+                part = delta.get("content")
+            else:
+                part = choice.get("text")
+            if isinstance(part, str):
+                text += part
+        rid = obj.get("id") if obj else None
+        return text, str(rid) if rid is not None else None
+
+    def continuation_body(self, body: dict[str, Any], route: str, text: str,
+                          tokens: int) -> dict[str, Any] | None:
+        if self.choices(body) != 1:
+            return None
+        out = dict(body)
+        if route == CHAT:
+            messages = body.get("messages")
+            if not isinstance(messages, list):
+                return None
+            out["messages"] = [*messages, {"role": "assistant", "content": text}]
+            out["continue_final_message"] = True
+            out["add_generation_prompt"] = False
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                return None
+            out["prompt"] = prompt + text
+        for key in ("max_completion_tokens", "max_tokens"):
+            limit = out.get(key)
+            if type(limit) is int:
+                out[key] = max(1, limit - tokens)
+        return out
+
+    def splice_event(self, event: SSEEvent, splice: Splice) -> bytes | None:
+        if event.data == b"[DONE]":
+            return b"data: [DONE]\n\n"
+        obj = json_object(event.data)
+        if obj is None:
+            return b"data: " + event.data + b"\n\n"
+        choices = obj.get("choices")
+        usage = obj.get("usage")
+        if isinstance(choices, list) and choices:
+            kept = []
+            for choice in choices:
+                delta = choice.get("delta") if isinstance(choice, dict) else None
+                if isinstance(delta, dict):
+                    delta.pop("role", None)  # the answer was opened once, by the first attempt
+                    if (not delta or delta == {"content": ""}) \
+                            and choice.get("finish_reason") is None:
+                        continue
+                kept.append(choice)
+            if not kept and not usage:
+                return None
+            obj["choices"] = kept
+        if splice.response_id is not None:
+            obj["id"] = splice.response_id
+        if splice.model is not None:
+            obj["model"] = splice.model
+        if isinstance(usage, dict):
+            _count_as_received(usage, splice.tokens_before)
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _count_as_received(usage: dict[str, Any], tokens_before: int) -> None:
+    """A continuation's usage as the client's answer: the text it was given back is not
+    prompt but the first part of the completion."""
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if type(prompt) is int and type(completion) is int:
+        usage["prompt_tokens"] = max(0, prompt - tokens_before)
+        usage["completion_tokens"] = completion + tokens_before
+
+
 def _first(obj: dict[str, Any]) -> EventInfo:
     """A chunk without output (the role chunk): it still names the response."""
     if obj.get("id") is None:
@@ -277,5 +369,5 @@ def _needs_usage_injection(body: dict[str, Any], provider: Provider) -> bool:
                 and provider.usage_when_stream_options)
 
 
-API = ChatCompletions()
+API = ContinuableChat()
 PROVIDER = Provider(name="openai", family="openai")

@@ -361,7 +361,9 @@ def _retry(table: Any) -> RetryPolicy:
                        retry_after_cap_s=seconds("retry_after_cap_s"), budget_s=budget,
                        statuses=tuple(statuses),
                        same_replica_first=_typed("retry", table, "same_replica_first", bool,
-                                                 d.same_replica_first, "true or false"))
+                                                 d.same_replica_first, "true or false"),
+                       max_continuations=_count("retry", table, "max_continuations",
+                                                d.max_continuations, 0))
 
 
 def _breaker(table: Any) -> BreakerPolicy:
@@ -514,7 +516,19 @@ def _backend(i: int, table: Any, default_timeouts: Timeouts,
                                             False, "true or false"),
         forward_headers=_header_names(where, table, "forward_headers"),
         deny_headers=_header_names(where, table, "deny_headers"),
+        continuation=_continuation(where, table),
     )
+
+
+CONTINUATIONS = ("", "prefill")
+
+
+def _continuation(where: str, table: dict[str, Any]) -> str:
+    mode: str = _typed(where, table, "continuation", str, "", '"prefill" or ""')
+    if mode not in CONTINUATIONS:
+        raise ConfigError(f"{where}.continuation", mode,
+                          '"prefill" (it can continue an assistant prefill) or "" (never)')
+    return mode
 
 
 def _header_names(where: str, table: dict[str, Any], key: str) -> tuple[str, ...]:

@@ -76,6 +76,9 @@ class RetryPolicy:
     # A transient 5xx goes back to the same replica once (after the backoff) before another:
     # for engines whose 5xx is a passing hiccup and whose prefix cache is worth keeping.
     same_replica_first: bool = False
+    # A committed stream cut or stalled after its first token may be finished this many times
+    # by a backend with `continuation = "prefill"` (0 = never).
+    max_continuations: int = 1
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,10 @@ class BackendConfig:
     # (e.g. "anthropic-beta").
     forward_headers: tuple[str, ...] = ()
     deny_headers: tuple[str, ...] = ()
+    # "prefill": it can finish another replica's answer cut short, given the text so far as
+    # an assistant message to continue (vLLM and SGLang's continue_final_message; llama.cpp
+    # likewise). "" (default): it is never sent a prefill.
+    continuation: str = ""
 
     @property
     def wildcard(self) -> bool:

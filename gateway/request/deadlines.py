@@ -36,7 +36,7 @@ class Scheduler(Protocol):
 
 class Watchdog:
     __slots__ = ("ctx", "task", "loop", "first_token_at", "idle_ns", "total_at", "handle",
-                 "armed_at", "fired", "clock")
+                 "armed_at", "fired", "clock", "awaiting")
 
     def __init__(self, ctx: Exchange, total_at: int, idle_s: float, *,
                  first_check_s: float | None = None,
@@ -57,16 +57,19 @@ class Watchdog:
         self.handle: Timer | None = None
         self.armed_at = 0  # when the timer in `handle` is due (monotonic ns)
         self.fired: str | None = None
+        self.awaiting = False  # a continuation's first token is still to come
         if first_check_s is None:
             self._arm()
         else:
             self._arm(min(self.clock() + int(first_check_s * 1e9), total_at))
 
-    def attempt(self, first_token_s: float, idle_s: float) -> None:
+    def attempt(self, first_token_s: float, idle_s: float, continuing: bool = False) -> None:
         """A new upstream attempt starts now: its own first-token deadline (and idle gap). A
         deadline that ended the previous attempt was claimed (that attempt failed over): this
-        one is watched afresh."""
+        one is watched afresh. A continuation awaits a first token of its own, although the
+        answer it goes on with had one."""
         self.fired = None
+        self.awaiting = continuing
         self.first_token_at = min(self.clock() + int(first_token_s * 1e9), self.total_at)
         self.idle_ns = int(idle_s * 1e9)
         self._arm()
@@ -79,11 +82,12 @@ class Watchdog:
         if self.ctx.t_first_token > self.first_token_at:
             self.fire(FIRST_TOKEN)
             return
+        self.awaiting = False
         self._arm()
 
     def _due(self) -> int:
         ctx = self.ctx
-        if not ctx.t_first_token:
+        if not ctx.t_first_token or self.awaiting:
             return min(self.first_token_at, self.total_at)
         return min(max(ctx.t_last_event, ctx.t_first_token) + self.idle_ns, self.total_at)
 
@@ -105,7 +109,7 @@ class Watchdog:
         ctx = self.ctx
         if now >= self.total_at:
             self.fire(TOTAL)
-        elif not ctx.t_first_token:
+        elif not ctx.t_first_token or self.awaiting:
             if now >= self.first_token_at:
                 self.fire(FIRST_TOKEN)
             else:

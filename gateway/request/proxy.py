@@ -25,6 +25,7 @@ import orjson
 from aiohttp import web
 
 from gateway.apis import ROUTES, failures
+from gateway.apis.base import Splice
 from gateway.edge import ingress, limits
 from gateway.edge.headers import client_response_headers, upstream_request_headers
 from gateway.errors import (
@@ -49,13 +50,14 @@ from gateway.errors import (
     GatewayError,
     RateLimited,
     ResponseTooLarge,
+    StreamBroken,
     UpstreamLost,
     UpstreamUnreachable,
     deadline_failure,
 )
 from gateway.exchange import Attempt, Exchange
 from gateway.request.deadlines import DeadlineOverrides, Watchdog
-from gateway.request.relay import Relay
+from gateway.request.relay import Relay, end_with_error
 from gateway.telemetry.tracing import CAPTURE_LIMIT
 from gateway.timeline import now_ns
 from gateway.transport import client as upstream
@@ -105,6 +107,9 @@ class Proxy:
         self.tracing = finisher.tracing
         self.hold_until_first_token = cfg.server.commit == "first_token"
         self.active: set[Watchdog] = set()  # requests in flight (for the drain)
+        # The models some backend can continue a broken stream of ("*": any)
+        self.prefill_models = frozenset(
+            m for b in cfg.backends if b.continuation == "prefill" for m in (*b.models, *b.aliases))
 
     def view(self) -> RequestsView:
         in_flight: Counter[str] = Counter()
@@ -244,11 +249,26 @@ class Proxy:
         answered. A replica or fallback not tried yet is tried at once: a Retry-After or a
         backoff is waited for only to go back to one already tried."""
         prefer: Replica | None = None
+        broken: StreamBroken | None = None  # the committed stream being continued
         while True:
             try:
-                return await self.attempt(ex, request, watchdog, overrides, prefer)
+                return await self.attempt(ex, request, watchdog, overrides, prefer,
+                                          continuing=broken is not None)
             except AttemptFailed as e:
                 failure = e.as_record()
+            except StreamBroken as e:
+                broken = e.as_record()
+                if not self._may_continue(ex):
+                    return await self._end_broken(ex, broken)
+                ex.continuing(broken.result, self.tracing.end_attempt(ex, broken.result))
+                continue
+            if broken is not None:  # a continuation that failed before its first token
+                self.metrics.child(self.metrics.continuations,
+                                   (ex.backend or "", failure.result)).inc()
+                if failure.result in (TOTAL, SHUTDOWN) or not self._may_continue(ex):
+                    return await self._end_broken(ex, broken)
+                ex.continuing(failure.result, self.tracing.end_attempt(ex, failure.result))
+                continue
             delay, prefer = self._next_try(ex, failure)
             if delay is None:
                 return self.answer_failure(ex, failure)
@@ -287,6 +307,26 @@ class Proxy:
             return None, None
         return delay, prefer
 
+    def _may_continue(self, ex: Exchange) -> bool:
+        """May a broken stream be continued (once more)? Within max_continuations, by a
+        backend that can continue a prefill, for the model served or its fallbacks, and for a
+        request whose answer can be continued (one choice, text only so far)."""
+        if not self.prefill_models or len(ex.continued_from) >= self.retry.max_continuations:
+            return False
+        api = self._api(ex)
+        if not (api.continues and ex.stream and api.choices(ex.parsed) == 1):
+            return False
+        if "*" in self.prefill_models:
+            return True
+        served = ex.served_model or ex.model or ""
+        return any(m in self.prefill_models
+                   for m in (served, *self.cfg.fallbacks.get(ex.model or "", ())))
+
+    async def _end_broken(self, ex: Exchange, broken: StreamBroken) -> web.StreamResponse:
+        """No continuation: the stream ends with the error event it would have had."""
+        return await end_with_error(ex, self._api(ex), broken.reason, broken.outcome,
+                                    broken.message, broken.code)
+
     def _backoff_s(self, attempts: int) -> float:
         """Jittered exponential: random in [0, base × 2^(n-1)], capped (full jitter)."""
         return random.uniform(0.0, min(self.retry.backoff_max_s,
@@ -303,24 +343,24 @@ class Proxy:
                    for m in self._model_chain(ex) for r in self.router.replicas_for(m, api.family))
 
     async def attempt(self, ex: Exchange, request: web.Request, watchdog: Watchdog,
-                      overrides: DeadlineOverrides,
-                      prefer: Replica | None = None) -> web.StreamResponse:
+                      overrides: DeadlineOverrides, prefer: Replica | None = None,
+                      continuing: bool = False) -> web.StreamResponse:
         """One upstream attempt: choose a replica, send, relay. Its failure before commit is
         counted against the replica (when it says something about the replica's health) and
         raised as AttemptFailed; so is a committed answer that did not complete (cut,
         stalled, an error in band)."""
-        attempt = self.choose_replica(ex, overrides, prefer)
+        attempt = self.choose_replica(ex, overrides, prefer, continuing)
         replica = attempt.replica
         try:
             try:
-                up = await self.send_upstream(ex, request, attempt, watchdog)
-                response = await self.relay(ex, request, up, watchdog)
+                up = await self.send_upstream(ex, request, attempt, watchdog, continuing)
+                response = await self.relay(ex, request, up, watchdog, continuing)
             except asyncio.CancelledError:
                 # A deadline (or the drain) that fires before anything was committed — while
                 # connecting, waiting for headers, reading an error or a whole body — makes
                 # it a failed attempt; the relay handles the ones that fire after commit.
                 reason = watchdog.claim()
-                if reason is None or ex.t_committed:
+                if reason is None or (ex.t_committed and not continuing):
                     raise  # the client went away (or it is too late for an HTTP error)
                 raise deadline_failure(reason) from None
         except AttemptFailed as e:
@@ -328,6 +368,14 @@ class Proxy:
             self.metrics.child(self.metrics.attempts, (replica.name, e.result)).inc()
             self._judge(attempt, e.judges_backend and not self._clients_own(
                 e.result, attempt, overrides), e.cause)
+            attempt.close()
+            raise
+        except StreamBroken as e:  # committed, then cut or stalled: the proxy may continue it
+            self.metrics.child(self.metrics.attempts, (replica.name, e.result)).inc()
+            if continuing:
+                self.metrics.child(self.metrics.continuations, (replica.name, e.result)).inc()
+            self._judge(attempt, not self._clients_own(e.result, attempt, overrides),
+                        f"{e.result} after the first token ({e.reason})")
             attempt.close()
             raise
         except BaseException:
@@ -338,6 +386,8 @@ class Proxy:
             raise
         result = committed_result(ex)
         self.metrics.child(self.metrics.attempts, (replica.name, result)).inc()
+        if continuing:
+            self.metrics.child(self.metrics.continuations, (replica.name, result)).inc()
         if result == ATTEMPT_OK:
             replica.breaker.success()
         else:
@@ -390,19 +440,22 @@ class Proxy:
         return overrides.tightened(attempt.replica.cfg.timeouts, attempt.timeouts)
 
     def choose_replica(self, ex: Exchange, overrides: DeadlineOverrides,
-                       prefer: Replica | None = None) -> Attempt:
+                       prefer: Replica | None = None, continuing: bool = False) -> Attempt:
         """The replica admission chose (for the model it found capacity for: the requested
         one or a fallback), if its breaker lets this request through (a half-open breaker
         admits one probe, however the replica was chosen); else an untried replica of the
         model, then of its fallback models the key may use, in order; else one already tried
         (a retry after Retry-After may go back). Every attempt's model is checked against the
-        key's allow-list. `prefer`: a replica to go back to first (same_replica_first). Hands
-        on `ex.attempt`."""
+        key's allow-list. `prefer`: a replica to go back to first (same_replica_first). A
+        continuation goes only to a backend that can continue a prefill, for the model served
+        (or its fallbacks). Hands on `ex.attempt`."""
         api = self._api(ex)
         tried = [a.replica for a in ex.attempts]
         ticket = ex.ticket
         chosen: tuple[Replica, str] | None = None
         served = ex.model or ""
+        if continuing:
+            ticket = None  # admission's replica may not continue; the chain below decides
         if (prefer is not None and prefer.healthy and ex.served_model is not None
                 and self._may_send(ex, ex.served_model, prefer) and prefer.breaker.acquire()):
             served = ex.served_model
@@ -414,11 +467,15 @@ class Proxy:
             chosen = ticket.replica, ticket.replica.cfg.aliases.get(served, served)
         else:
             chain = [m for m in self._model_chain(ex) if self.auth.allows(ex.key, m)]
+            if continuing and ex.served_model in chain:  # the same model first, if it can
+                chain.remove(ex.served_model)
+                chain.insert(0, ex.served_model)
             last: GatewayError | None = None
             for exclude in (tried, ()):
                 for name in chain:
                     forbidden = [r for r in self.router.replicas_for(name, api.family)
-                                 if not self._may_send(ex, name, r)]
+                                 if not self._may_send(ex, name, r)
+                                 or (continuing and r.cfg.continuation != "prefill")]
                     try:
                         chosen = self.router.pick(name, api.family, [*exclude, *forbidden])
                         served = name
@@ -452,7 +509,7 @@ class Proxy:
         return attempt
 
     async def send_upstream(self, ex: Exchange, request: web.Request, attempt: Attempt,
-                            watchdog: Watchdog) -> UpstreamResponse:
+                            watchdog: Watchdog, continuing: bool = False) -> UpstreamResponse:
         """Prepare the body and headers for this replica (the API adapter decides the body;
         the provider the auth and default headers), send, and wait for the response headers.
         A connect failure or a retryable status is an AttemptFailed. Hands on the upstream
@@ -461,9 +518,17 @@ class Proxy:
         replica, timeouts = attempt.replica, attempt.timeouts
         provider = attempt.provider
         send = dict(ex.parsed)
+        continued = None
+        if continuing:  # the same request, with the answer so far to continue
+            continued = api.continuation_body(send, ex.route, "".join(ex.streamed_text),
+                                              ex.token_events)
+            if continued is None:
+                raise AttemptFailed(ATTEMPT_CUT, 502, "The answer cannot be continued.",
+                                    "stream_truncated", retryable=False, judges_backend=False)
+            send = continued
         prepared = api.prepare(send, ex.route, ex.stream, replica.cfg, provider)
         ex.usage_injected = prepared.usage_injected
-        changed = prepared.changed
+        changed = prepared.changed or continued is not None
         if attempt.upstream_model != send.get("model"):
             send["model"] = attempt.upstream_model
             changed = True
@@ -482,16 +547,18 @@ class Proxy:
         if "Accept" not in headers:
             headers["Accept"] = "*/*"  # what aiohttp's client sent by default
         target = replica.target(ROUTES[ex.route][1])
-        ex.t_sent = now_ns()
-        ex.t_dispatched = ex.t_dispatched or ex.t_sent
+        if not continuing:  # a continuation leaves the timeline of the answer it goes on with
+            ex.t_sent = now_ns()
+            ex.t_dispatched = ex.t_dispatched or ex.t_sent
         watchdog.attempt(timeouts.first_token_s if ex.stream else timeouts.total_s,
-                         timeouts.idle_s)
+                         timeouts.idle_s, continuing)
         self.tracing.upstream_attempt(ex, headers, replica.cfg.propagate_trace)
         timeout = replica.timeout
         if timeouts.connect_s < replica.cfg.timeouts.connect_s:  # a request that asked for less
             timeout = aiohttp.ClientTimeout(total=None, connect=None,
                                             sock_connect=timeouts.connect_s)
-        connecting = CONNECTING.set(ex)  # a new connection is stamped on the exchange
+        # a new connection is stamped on the exchange (not a continuation's: see above)
+        connecting = CONNECTING.set(None if continuing else ex)
         try:
             up = await upstream.send(replica.connector, target, headers, data, timeout)
         except UpstreamUnreachable as e:
@@ -500,8 +567,9 @@ class Proxy:
         finally:
             CONNECTING.reset(connecting)
         attempt.response = up
-        ex.t_headers = now_ns()
-        ex.status = up.status
+        if not continuing:
+            ex.t_headers = now_ns()
+            ex.status = up.status
         if 300 <= up.status < 400:  # never followed: our upstream key would go along
             raise AttemptFailed(limits.UPSTREAM_REDIRECT, 502, f"Backend '{replica.name}' "
                                 f"answered {up.status} (a redirect); the gateway does not "
@@ -511,15 +579,28 @@ class Proxy:
         return up
 
     async def relay(self, ex: Exchange, request: web.Request, up: UpstreamResponse,
-                    watchdog: Watchdog) -> web.StreamResponse:
+                    watchdog: Watchdog, continuing: bool = False) -> web.StreamResponse:
         """The upstream response to the client: an event stream byte-exact as it arrives
         (committed at the first token, or at the headers), anything else read whole (bounded)
         and passed through with its status."""
         extra = ((REQUEST_ID_HEADER, ex.request_id),)
         api = self._api(ex)
         ctype = up.headers.get("Content-Type", "")
+        if continuing:
+            if up.status != 200 or not ctype.startswith("text/event-stream"):
+                body = await upstream.read_head(up, MAX_ERROR_BODY)
+                raise AttemptFailed(f"http_{up.status}" if up.status != 200 else ATTEMPT_CUT,
+                                    502, f"The continuation was refused ({up.status}): "
+                                    f"{body[:200].decode('utf-8', 'replace')}",
+                                    "stream_truncated", judges_backend=up.status >= 500)
+            return await Relay(request, ex, up, api, None, hold_until_first_token=False,
+                               watchdog=watchdog, keepalive_s=self.cfg.server.keepalive_s,
+                               max_event_bytes=self.cfg.server.max_event_bytes,
+                               splice=Splice(ex.response_id, ex.response_model,
+                                             ex.continued_from[-1])).run()
         if up.status != 200 or not ex.stream or not ctype.startswith("text/event-stream"):
             return await self._whole(ex, up, api, extra)
+        ex.continuable = self._may_continue(ex)
         headers_out = client_response_headers(up.headers, event_stream=True, extra=extra)
         capture: list[str] | None = [] if self._capturing(ex) else None
         ex.captured_output = capture

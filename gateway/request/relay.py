@@ -25,9 +25,12 @@ from gateway.apis.sse import DEFAULT_MAX_EVENT_BYTES, SSEEvent, SSEParser
 from gateway.edge.limits import EVENT_TOO_LARGE
 from gateway.errors import (
     ATTEMPT_CONTEXT_LENGTH,
+    ATTEMPT_CUT,
     ATTEMPT_IN_BAND_ERROR,
+    ATTEMPT_STALLED,
     CLOSED_BEFORE_FIRST_TOKEN,
     GATEWAY_ERROR,
+    IDLE,
     OK,
     SHUTDOWN,
     TIMEOUT,
@@ -36,6 +39,7 @@ from gateway.errors import (
     AttemptFailed,
     ClientGone,
     EventTooLarge,
+    StreamBroken,
     UpstreamLost,
     deadline_failure,
 )
@@ -52,7 +56,7 @@ from gateway.transport.wire import (
 )
 
 if TYPE_CHECKING:
-    from gateway.apis.base import Api, EventInfo, TokenShape
+    from gateway.apis.base import Api, EventInfo, Splice, TokenShape
     from gateway.request.deadlines import Watchdog
     from gateway.transport.client import UpstreamResponse
 
@@ -91,10 +95,11 @@ class Splicer:
     keeps the start of an incomplete event back (up to HOLD_LIMIT). No I/O."""
 
     __slots__ = ("ex", "api", "route", "parser", "pending", "drop_lf", "partial_out", "capture",
-                 "captured", "shape", "shape_tries")
+                 "captured", "shape", "shape_tries", "kept", "splice")
 
     def __init__(self, ex: Exchange, api: Api, capture: list[str] | None = None,
-                 max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
+                 max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+                 splice: Splice | None = None) -> None:
         self.ex = ex
         self.api = api
         self.route = ex.route
@@ -108,8 +113,14 @@ class Splicer:
         # TokenShape): later tokens that fit it are stamped without being parsed.
         self.shape: TokenShape | None = None
         self.shape_tries = 4
+        # A stream that may be continued keeps the text the client got (so no token shape:
+        # every event is read); one that continues another has its events rewritten.
+        self.kept = ex.streamed_text if ex.continuable else None
+        self.splice = splice
 
     def feed(self, chunk: bytes, t: int) -> bytes:
+        if self.splice is not None:
+            return self._feed_spliced(chunk, t)
         ex = self.ex
         parser = self.parser
         if not self.pending and not self.drop_lf:
@@ -161,6 +172,27 @@ class Splicer:
             out = out[1:]
         return out
 
+    def _feed_spliced(self, chunk: bytes, t: int) -> bytes:
+        """A continuation's reads: only whole events go out, each rewritten as the client's
+        answer going on (the API adapter's splice_event)."""
+        assert self.splice is not None
+        events = self.parser.feed(chunk)
+        if not events:
+            return b""
+        ex = self.ex
+        ex.t_last_event = t
+        out = []
+        for ev in events:
+            info = self._observe(ev, t)
+            if info.completion_tokens is not None:  # counted as the client's answer
+                _count_as_received(ex, self.splice.tokens_before)
+            if info.usage_only and ex.usage_injected:
+                continue
+            spliced = self.api.splice_event(ev, self.splice)
+            if spliced:
+                out.append(spliced)
+        return b"".join(out)
+
     def _observe(self, ev: SSEEvent, t: int) -> EventInfo:
         """Parse one event (the API adapter says what it is) and stamp it; capture its text
         when asked to. An ordinary token that the shape did not fit (its text has escapes,
@@ -168,10 +200,20 @@ class Splicer:
         then no more shapes (some providers pad every chunk differently)."""
         info = self.api.observe(ev, self.route)
         self.ex.event_seen(info, t)
+        if self.kept is not None and info.token:
+            said = self.api.continuation_text(ev)
+            if said is None:  # reasoning, a tool call: no prefill can carry it on
+                self.kept = None
+                self.ex.continuable = False
+            else:
+                self.kept.append(said[0])
+                if self.ex.response_id is None:  # a stream without an opening chunk
+                    self.ex.response_id = said[1]
         if self.capture is not None:
             if info.token:
                 self._capture(ev)
-        elif info.visible and not info.has_facts and ev.event is None and self.shape_tries:
+        elif (info.visible and not info.has_facts and ev.event is None and self.shape_tries
+              and self.kept is None and self.splice is None):
             shape = self.api.token_shape(ev, self.route, info)
             if shape is not None:  # the first, or the chunks changed around their text
                 self.shape_tries -= 1
@@ -202,7 +244,8 @@ class Relay:
                  api: Api, headers: object, *, hold_until_first_token: bool,
                  watchdog: Watchdog, keepalive_s: float = 0.0,
                  capture: list[str] | None = None,
-                 max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
+                 max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+                 splice: Splice | None = None) -> None:
         self.request = request
         self.ex = ex
         self.up = up
@@ -211,13 +254,15 @@ class Relay:
         self.hold = hold_until_first_token
         self.watchdog = watchdog
         self.keepalive_s = keepalive_s
-        self.splicer = Splicer(ex, api, capture, max_event_bytes)
+        self.splicer = Splicer(ex, api, capture, max_event_bytes, splice)
         self.max_event_bytes = max_event_bytes  # one event, and all that is held before commit
         self.held_bytes = 0
         self.held: list[bytes] = []  # before commit
         self.t_last_write = 0
         self.body = UpstreamBody(up)
-        self.wire: ClientWire | None = None  # after commit
+        # After commit: a continuation writes on to the response its first attempt began.
+        self.wire = ClientWire(request, ex.response) if ex.response is not None else None
+        self.tokens_before = ex.token_events  # the idle deadline starts at this one's first
         self.idle_armed = False
         self.choices = api.choices(ex.parsed)  # answers asked for, each with its finish reason
         # What the sink asks of the coroutine: a drain of the client's buffer (the upstream
@@ -236,11 +281,12 @@ class Relay:
         t = now_ns()
         try:
             out = self.splicer.feed(chunk, t)
-            if not self.idle_armed and ex.t_first_token:
+            if not self.idle_armed and ex.token_events > self.tokens_before:
                 self.watchdog.first_token()
                 self.idle_armed = True
                 if ex.on_first_token is not None:
                     ex.on_first_token()
+                    ex.on_first_token = None
             wire = self.wire
             if wire is not None:
                 if out:
@@ -460,15 +506,39 @@ class Relay:
     async def _end_with_error(self, reason: str, outcome: str, message: str,
                               code: str | None = None) -> web.StreamResponse:
         """A committed stream that cannot complete ends with an error event in the client's
-        API format: never a silent clean close (Portkey #1797)."""
-        ex = self.ex
-        ex.interruption = reason
-        ex.finish(outcome, reason)
-        await write(self._client(), self.api.stream_error_event(message, code or reason,
-                                                                ex.events))
-        return await self._eof()
+        API format: never a silent clean close (Portkey #1797). One that another backend
+        may finish is handed back to the proxy to decide (StreamBroken)."""
+        result = _BROKEN.get(reason) or (ATTEMPT_CUT if outcome == UPSTREAM_TRUNCATED else None)
+        if (result is not None and self.ex.continuable and self.splicer.kept is not None
+                and not self.splicer.partial_out):
+            raise StreamBroken(result, reason, outcome, message, code or reason)
+        return await end_with_error(self.ex, self.api, reason, outcome, message, code)
 
     async def _eof(self) -> web.StreamResponse:
         client = self._client()
         await write_eof(client)
         return client
+
+
+def _count_as_received(ex: Exchange, tokens_before: int) -> None:
+    """A continuation's usage as the answer's: the text it was given back was completion."""
+    if ex.completion_tokens is not None:
+        ex.completion_tokens += tokens_before
+    if ex.prompt_tokens is not None:
+        ex.prompt_tokens = max(0, ex.prompt_tokens - tokens_before)
+
+
+# How a committed stream broke, by the reason it ended, where another backend may finish it.
+_BROKEN = {IDLE: ATTEMPT_STALLED, EVENT_TOO_LARGE: EVENT_TOO_LARGE}
+
+
+async def end_with_error(ex: Exchange, api: Api, reason: str, outcome: str, message: str,
+                         code: str | None = None) -> web.StreamResponse:
+    """End a committed stream with an error event in the client's API format."""
+    ex.interruption = reason
+    ex.finish(outcome, reason)
+    client = ex.response
+    assert client is not None, "committed"
+    await write(client, api.stream_error_event(message, code or reason, ex.events))
+    await write_eof(client)
+    return client

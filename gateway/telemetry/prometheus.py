@@ -208,6 +208,10 @@ class Metrics:
         self.attempts = Counter("slogate_upstream_attempts",
                                 "Upstream attempts by result (ok, or why it was retried/failed).",
                                 ("backend", "result"), registry=self.registry)
+        self.continuations = Counter(
+            "slogate_continuations", "Broken streams continued by a backend from the text "
+            "so far, by how the continuation ended (ok, or its attempt result).",
+            ("backend", "result"), registry=self.registry)
         self.breaker = Gauge("slogate_backend_breaker_state",
                              "Circuit breaker per backend replica: 0 closed, 1 half-open, 2 open.",
                              ("backend",), registry=self.registry)
