@@ -278,6 +278,9 @@ def _server(table: Any) -> ServerConfig:
         max_response_bytes=_count("server", table, "max_response_bytes", d.max_response_bytes,
                                   1024),
         admin_port=_admin_port(table, port),
+        admin_host=_host(table, "admin_host", d.admin_host),
+        admin_max_connections=_count("server", table, "admin_max_connections",
+                                     d.admin_max_connections, 1),
         admin_metrics=_typed("server", table, "admin_metrics", bool, d.admin_metrics,
                              "true or false"),
         admin_console=_typed("server", table, "admin_console", bool, d.admin_console,
@@ -298,6 +301,13 @@ def _count(where: str, table: dict[str, Any], key: str, default: int, minimum: i
     value: int = _typed(where, table, key, int, default, expected)
     if value < minimum:
         raise ConfigError(f"{where}.{key}", value, expected)
+    return value
+
+
+def _host(table: dict[str, Any], key: str, default: str) -> str:
+    value: str = _typed("server", table, key, str, default, "a host name or address")
+    if not value.strip():  # an empty host would listen on every interface
+        raise ConfigError(f"server.{key}", value, "a host name or address")
     return value
 
 

@@ -42,8 +42,12 @@ class ServerConfig:
     max_event_bytes: int = 8 * 1024 * 1024
     max_response_bytes: int = 32 * 1024 * 1024
     # A separate listener for /admin/* (0 = the main one). /metrics and the console move there
-    # too when these say so.
+    # too when these say so. It has the main listener's header deadline and idle timeout, its
+    # own connection cap (inside the same descriptor budget), and binds loopback unless
+    # admin_host says otherwise: an admin surface is not for the public network by default.
     admin_port: int = 0
+    admin_host: str = "127.0.0.1"
+    admin_max_connections: int = 64
     admin_metrics: bool = False
     admin_console: bool = False
     # Worker processes on one port (SO_REUSEPORT) under a supervisor (gateway/ops/workers.py): an
