@@ -285,6 +285,7 @@ def _server(table: Any) -> ServerConfig:
                              "true or false"),
         admin_console=_typed("server", table, "admin_console", bool, d.admin_console,
                              "true or false"),
+        console_hosts=_names(table, "console_hosts"),
         workers=_workers(table, d.workers),
     )
 
@@ -302,6 +303,13 @@ def _count(where: str, table: dict[str, Any], key: str, default: int, minimum: i
     if value < minimum:
         raise ConfigError(f"{where}.{key}", value, expected)
     return value
+
+
+def _names(table: dict[str, Any], key: str) -> tuple[str, ...]:
+    value = table.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise ConfigError(f"server.{key}", value, 'a list of host names (or ["*"])')
+    return tuple(value)
 
 
 def _host(table: dict[str, Any], key: str, default: str) -> str:

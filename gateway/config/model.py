@@ -48,6 +48,9 @@ class ServerConfig:
     admin_port: int = 0
     admin_host: str = "127.0.0.1"
     admin_max_connections: int = 64
+    # Host names the console answers besides IP literals, localhost and the listen host (it has
+    # no key: an unknown Host is a DNS-rebinding page, 403); "*" = any.
+    console_hosts: tuple[str, ...] = ()
     admin_metrics: bool = False
     admin_console: bool = False
     # Worker processes on one port (SO_REUSEPORT) under a supervisor (gateway/ops/workers.py): an

@@ -20,6 +20,7 @@ from gateway.config import Config
 from gateway.console import Console, ConsoleRecorder, Live
 from gateway.edge import listener
 from gateway.edge.auth import AuthPolicy
+from gateway.edge.hosts import HostAllowList
 from gateway.errors import SHUTDOWN, ListenError
 from gateway.ops.keys import (
     ADMIN_APP_KEY,
@@ -84,7 +85,9 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
         app[ADMIN_APP_KEY] = admin_app
     # The live console (GET /console): fed by the finisher, reads what the gateway publishes.
     app[RECORDER_KEY] = recorder = ConsoleRecorder(cfg.slo.classes.values())
-    app[CONSOLE_KEY] = console = Console(recorder, lambda: live(app), gateway.version())
+    s = cfg.server  # the console has no key: it answers only Hosts it knows (DNS rebinding)
+    hosts = HostAllowList((s.host, s.admin_host, *s.console_hosts))
+    app[CONSOLE_KEY] = console = Console(recorder, lambda: live(app), gateway.version(), hosts)
     console.add_routes(admin_app if cfg.server.admin_console else app)
     app.on_startup.append(startup)
     app.on_cleanup.append(cleanup)
