@@ -422,11 +422,24 @@ def _admission(table: Any) -> AdmissionConfig:
                                            d.engine_metrics_interval_s, positive=True),
         redis_url=redis_url, redis_share=fraction("redis_share", 0.0, 1.0),
         lease_s=_seconds("admission", table, "lease_s", d.lease_s, positive=True),
+        redis_timeout_s=_seconds("admission", table, "redis_timeout_s", d.redis_timeout_s,
+                                 positive=True),
+        redis_pool_size=count("redis_pool_size"),
+        redis_slow_ms=_milliseconds(table, "redis_slow_ms", d.redis_slow_ms),
+        redis_slow_for_s=_seconds("admission", table, "redis_slow_for_s", d.redis_slow_for_s),
         adaptive_concurrency=_typed("admission", table, "adaptive_concurrency", bool,
                                     d.adaptive_concurrency, "true or false"),
         adaptive_initial=count("adaptive_initial"), adaptive_min=count("adaptive_min"),
         adaptive_tolerance=_tolerance(table, d.adaptive_tolerance),
     )
+
+
+def _milliseconds(table: dict[str, Any], key: str, default: float) -> float:
+    value: float = _typed("admission", table, key, float, default,
+                          "a positive number of milliseconds")
+    if value <= 0:
+        raise ConfigError(f"admission.{key}", value, "a positive number of milliseconds")
+    return value
 
 
 def _tolerance(table: dict[str, Any], default: float) -> float:

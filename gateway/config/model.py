@@ -103,6 +103,12 @@ class AdmissionConfig:
     redis_url: str = ""  # share in-flight and queued work across gateway processes
     redis_share: float = 1.0  # fraction of each cap this gateway keeps when Redis is down
     lease_s: float = 3.0  # a dead gateway's share is freed after this
+    redis_timeout_s: float = 0.25  # one Redis call, connect included (its wait for a turn too)
+    redis_pool_size: int = 16  # Redis connections, and calls in flight at once
+    # Round trips (a moving average) above redis_slow_ms for redis_slow_for_s: admission goes
+    # to the local share, as if Redis were down, until they are fast again.
+    redis_slow_ms: float = 50.0
+    redis_slow_for_s: float = 5.0
     # Learn each replica's useful concurrency (gradient on upstream TTFT, as Netflix's
     # concurrency-limits Gradient2 and Envoy's adaptive_concurrency filter), bounded above by
     # max_concurrency, so requests wait where they can be ordered: here, not in the engine.
