@@ -309,6 +309,8 @@ class AdmissionController:
         self._seq = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
         self._waking = False
+        self._woken = False  # capacity changed during a drain: drain again when it ends
+        self._closed = False
         self._drain_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -326,6 +328,7 @@ class AdmissionController:
                     self.cfg.engine_metrics_interval_s, load.engine_report)))
 
     async def close(self) -> None:
+        self._closed = True
         for task in self._tasks:
             task.cancel()
         if self._timer is not None:
@@ -446,9 +449,12 @@ class AdmissionController:
         return ticket
 
     async def _try(self, ctx: Exchange, loads: list[ReplicaLoad], tokens: float,
-                   body_bytes: int, prefix: bytes | None,
-                   model: str = "") -> tuple[Ticket | None, str]:
-        """Admit now if a replica can meet both targets; else (None, why)."""
+                   body_bytes: int, prefix: bytes | None, model: str = "",
+                   deferred: list[tuple[Ticket, asyncio.Future[bool]]] | None = None
+                   ) -> tuple[Ticket | None, str]:
+        """Admit now if a replica can meet both targets; else (None, why). With `deferred`
+        (the queue's drain), the global slot is asked for, not awaited: the ticket and the
+        answer to come go there, so one round trip to Redis serves every waiter of the pass."""
         slo = ctx.target
         waited_s = (self.clock() - ctx.t_received) / 1e9
         ttft_budget = slo.ttft_ms / 1e3 - waited_s
@@ -480,6 +486,10 @@ class AdmissionController:
             ticket = Ticket(self, load, tokens, body_bytes, slo.cls.tpot_ms / 1e3, pred,
                             self.shared is not None, model or (ctx.model or ""),
                             ctx.tenant_label)
+            if self.shared is not None and deferred is not None:
+                deferred.append((ticket, asyncio.ensure_future(
+                    self.shared.try_acquire(load.replica.name, load.cap))))
+                return ticket, ""
             if self.shared is not None and not await self.shared.try_acquire(load.replica.name,
                                                                              load.cap):
                 ticket.withdraw()
@@ -621,7 +631,13 @@ class AdmissionController:
 
     def wake(self) -> None:
         """Capacity changed: let the queue move (in a task: callers are on the hot path)."""
-        if len(self.fair) and not self._waking:
+        if self._closed:
+            return
+        if self._waking:
+            # A drain waiting for global slots (a Redis round trip) would miss this change
+            # until the next tick.
+            self._woken = True
+        elif len(self.fair):
             self._waking = True
             asyncio.get_running_loop().call_soon(self._start_drain)
 
@@ -646,6 +662,9 @@ class AdmissionController:
             ahead: dict[str, float] = {}
             waiting: dict[str, int] = {}  # waiters left waiting ahead, per model
             blocked: set[str] = set()  # models whose turn-holder is waiting
+            # shared state: the tickets of this pass whose global slots are being asked for
+            deferred: list[tuple[Ticket, asyncio.Future[bool]]] = []
+            granted: list[Waiter] = []
             for waiter in list(self.fair.order()):
                 if waiter.future.done() or not waiter.in_queue:
                     continue
@@ -660,15 +679,14 @@ class AdmissionController:
                 if model in blocked and not self._urgent(waiter):
                     ticket, why = None, "fair_wait"
                 else:
+                    n = len(deferred)
                     ticket, why = await self._try(ctx, loads, waiter.tokens, waiter.body_bytes,
-                                                  waiter.prefix, model)
+                                                  waiter.prefix, model, deferred)
+                    if len(deferred) > n:
+                        granted.append(waiter)
+                        continue
                 if ticket is not None:
-                    self._decided(ctx, ADMITTED, "after_queue")
-                    self._take_out(waiter, dispatched=True)
-                    if waiter.future.done():  # cancelled meanwhile
-                        ticket.finish(ctx)
-                    else:
-                        waiter.future.set_result(ticket)
+                    self._dispatch(waiter, ticket)
                     continue
                 # Its turn at a slot comes after those left waiting ahead of it, at the rate
                 # slots free: a waiter that cannot make its deadline is told now (with
@@ -691,8 +709,29 @@ class AdmissionController:
                 ahead[model] = ahead.get(model, 0.0) + waiter.tokens
                 waiting[model] = waiting.get(model, 0) + 1
                 blocked.add(model)
+            for waiter, (ticket, slot) in zip(granted, deferred, strict=True):
+                try:
+                    ok = await slot
+                except BaseException:
+                    ticket.withdraw()
+                    raise
+                if ok:
+                    self._dispatch(waiter, ticket)
+                else:  # no global slot after all: it keeps its place for the next pass
+                    ticket.withdraw()
         finally:
             self._waking = False
+            if self._woken:
+                self._woken = False
+                self.wake()
+
+    def _dispatch(self, waiter: Waiter, ticket: Ticket) -> None:
+        self._decided(waiter.ctx, ADMITTED, "after_queue")
+        self._take_out(waiter, dispatched=True)
+        if waiter.future.done():  # cancelled meanwhile
+            ticket.finish(waiter.ctx)
+        else:
+            waiter.future.set_result(ticket)
 
     # -- learning ----------------------------------------------------------------------------
 

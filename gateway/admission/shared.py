@@ -12,14 +12,25 @@ Each gateway also publishes what it has queued and in prefill per replica (`slog
 field per gateway, refreshed with the lease) so the others can see it in /admin/admission and,
 if the controller wants, count it as work ahead (`remote_prefill_tokens`).
 
-Redis unreachable (at start, or any call failing or taking longer than `timeout_s`): the gateway
-falls back to local accounting, admitting up to floor(cap * redis_share) (at least 1) per
+One acquirer per replica: callers that want a slot while a script for that replica is on its
+way wait for the next one, which takes as many slots as they want (up to the cap) in one round
+trip and hands them out in arrival order; releases are batched the same way. So a slow Redis
+adds a round trip to a decision but does not cap decisions at one per round trip, and a burst
+of waiters woken at once costs one call, not one each.
+
+Redis slow (round trips, a moving average, above `redis_slow_ms` for `redis_slow_for_s`) is
+treated as Redis unreachable: a gateway admitting at Redis's pace would throttle every request
+it serves. It comes back when the background pings are fast again (below 0.8 x the bound).
+
+Redis unreachable (at start, or any call failing or taking longer than `redis_timeout_s`, its
+wait for one of the `redis_pool_size` connections included): the gateway falls back to local
+accounting, admitting up to floor(cap * redis_share) (at least 1) per
 replica on its own, says so in the log (once per transition) and in the gauge
 `slogate_admission_shared_state{state="redis"|"local"}`, and keeps trying to reconnect in the
 background. When Redis is back, this gateway's fields are reset to its current local counts
 (resync) and shared accounting resumes. A call never blocks admission for more than about
-2 x timeout_s, and only the calls that meet the outage pay that: once local, admission makes no
-Redis calls at all.
+2 x redis_timeout_s, and only the calls that meet the outage pay that: once local, admission
+makes no Redis calls at all.
 """
 from __future__ import annotations
 
@@ -32,6 +43,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -62,8 +74,8 @@ WORK_KEY = PREFIX + "work"
 REDIS, LOCAL = "redis", "local"
 HOST_PREFIX = "redis-fallback:"  # keys of the host's SlotTable (serve --workers N)
 
-# KEYS[1] the replica's in-flight hash. ARGV: gateway id, cap, lease key prefix.
-# Returns {1 if admitted else 0, live in-flight total after the call}.
+# KEYS[1] the replica's in-flight hash. ARGV: gateway id, cap, lease key prefix, slots wanted.
+# Returns {slots taken (at most those wanted), live in-flight total after the call}.
 ACQUIRE_LUA = """
 local fields = redis.call('HGETALL', KEYS[1])
 local total = 0
@@ -76,16 +88,15 @@ for i = 1, #fields, 2 do
     redis.call('HDEL', KEYS[1], gid)
   end
 end
-if total < tonumber(ARGV[2]) then
-  redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
-  return {1, total + 1}
-end
-return {0, total}
+local got = math.max(0, math.min(tonumber(ARGV[4]) or 1, tonumber(ARGV[2]) - total))
+if got > 0 then redis.call('HINCRBY', KEYS[1], ARGV[1], got) end
+return {got, total + got}
 """
 
-# KEYS[1] the replica's in-flight hash. ARGV[1] gateway id. Never goes below zero.
+# KEYS[1] the replica's in-flight hash. ARGV: gateway id, slots given back. Never goes below
+# zero.
 RELEASE_LUA = """
-local n = redis.call('HINCRBY', KEYS[1], ARGV[1], -1)
+local n = redis.call('HINCRBY', KEYS[1], ARGV[1], -(tonumber(ARGV[2]) or 1))
 if n <= 0 then redis.call('HDEL', KEYS[1], ARGV[1]) end
 return n
 """
@@ -151,7 +162,9 @@ return {ok, tostring(v)}
 QUOTA_PREFIX = PREFIX + "quota:"
 
 _FAILURES = (RedisError, OSError, asyncio.TimeoutError)
-MAX_CALLS = 8  # Redis calls in flight per gateway (the rest wait their turn, untimed)
+RTT_WEIGHT = 0.2  # of each round trip in the moving average
+BACK_BELOW = 0.8  # x redis_slow_ms: fast enough again to leave the slow fallback
+UNREACHABLE, SLOW = "unreachable", "slow"  # why admission is local
 
 
 def gateway_id() -> str:
@@ -172,10 +185,16 @@ class SharedState:
     """Global per-replica concurrency caps and shared work, with a local fallback."""
 
     def __init__(self, cfg: AdmissionConfig, metrics: Metrics | None = None, *,
-                 timeout_s: float = 0.05, gid: str | None = None) -> None:
+                 gid: str | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.metrics = metrics
-        self.timeout_s = timeout_s
+        self.clock = clock
+        self.timeout_s = cfg.redis_timeout_s
+        self.slow_s = cfg.redis_slow_ms / 1e3
+        self.rtt_s: float | None = None  # moving average of round trips
+        self._slow_since: float | None = None
+        self.local_reason = UNREACHABLE
+        self.calls = 0  # Redis calls made (acquire, release, refresh, ...)
         self.gid = gid or gateway_id()
         self.url = redact(cfg.redis_url)
         self.lease_ms = max(1, int(cfg.lease_s * 1000))
@@ -201,11 +220,14 @@ class SharedState:
         self._task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
-        self._sem = asyncio.Semaphore(MAX_CALLS)
+        self._sem = asyncio.Semaphore(cfg.redis_pool_size)
+        # the one acquirer and the one releaser per replica: who waits for the next call
+        self._acquiring: dict[str, list[asyncio.Future[bool | None]]] = {}
+        self._releasing: dict[str, int] = {}
         self.r = aioredis.from_url(
-            cfg.redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0), health_check_interval=0,
-            max_connections=2 * MAX_CALLS,
+            cfg.redis_url, socket_timeout=self.timeout_s,
+            socket_connect_timeout=self.timeout_s, retry=Retry(NoBackoff(), 0),
+            health_check_interval=0, max_connections=cfg.redis_pool_size,
             # A new connection is one TCP connect, no handshake round trips (which a burst of
             # new connections would pay within the connect timeout).
             **NO_SETINFO)
@@ -270,28 +292,18 @@ class SharedState:
         this gateway's share (without)."""
         self.limits[backend] = limit
         if self.state == REDIS:
-            epoch = self.epoch
-            # Shielded: if the caller is cancelled (the client left) the script may still have
-            # taken the slot; then it is given back when the answer arrives.
-            call = asyncio.ensure_future(self._call(
-                self._acquire, keys=[INFLIGHT_PREFIX + backend],
-                args=[self.gid, limit, LEASE_PREFIX], epoch=epoch))
-            try:
-                ok, _total = await asyncio.shield(call)
-            except asyncio.CancelledError:
-                call.add_done_callback(lambda t: self._abandoned(backend, t, epoch))
-                raise
-            except StaleState:
-                pass  # went local while waiting: decide locally
-            except _FAILURES as e:
-                self._lost(e, epoch)
-            else:
-                if ok:
-                    self.local[backend] = self.local.get(backend, 0) + 1
-                    self.acquires += 1
-                    return True
-                self.rejects += 1
-                return False
+            got: asyncio.Future[bool | None] = asyncio.get_running_loop().create_future()
+            waiting = self._acquiring.get(backend)
+            if waiting is None:  # no acquirer for this replica: become it
+                waiting = self._acquiring[backend] = []
+                self._spawn(self._acquirer(backend))
+            waiting.append(got)
+            # A caller cancelled here (the client left) is skipped when slots are handed out;
+            # a slot the script took for it anyway is given back.
+            answer = await got
+            if answer is not None:
+                return answer
+            # None: went local meanwhile (or Redis failed): decide locally
         n = self.local.get(backend, 0)
         if self.host is not None:
             ok = self.host.try_acquire(HOST_PREFIX + backend, self.local_cap(limit))
@@ -306,15 +318,54 @@ class SharedState:
         self.rejects += 1
         return False
 
-    def _abandoned(self, backend: str, call: asyncio.Future[Any], epoch: int) -> None:
-        if call.cancelled():
-            return
-        e = call.exception()
-        if e is None:
-            if call.result()[0] and not self._closing:
-                self._spawn(self._release_remote(backend, epoch))
-        elif isinstance(e, _FAILURES):
-            self._lost(e, epoch)
+    async def _acquirer(self, backend: str) -> None:
+        """The one acquirer of `backend`: while callers wait, one script takes the slots they
+        want (up to the cap) and they are handed out in arrival order; those who came during
+        the round trip wait for the next one."""
+        waiting = self._acquiring[backend]
+        try:
+            while waiting:
+                batch = [f for f in waiting if not f.done()]
+                waiting.clear()
+                if not batch:
+                    break
+                epoch = self.epoch
+                got: int | None = None
+                if self.state == REDIS:
+                    try:
+                        got, _total = await self._call(
+                            self._acquire, keys=[INFLIGHT_PREFIX + backend],
+                            args=[self.gid, self.limits[backend], LEASE_PREFIX, len(batch)],
+                            epoch=epoch)
+                    except StaleState:
+                        pass  # went local while waiting: they decide locally
+                    except _FAILURES as e:
+                        self._lost(e, epoch)
+                self._hand_out(backend, batch, got, epoch)
+        finally:
+            del self._acquiring[backend]
+            for f in waiting:  # closing, or the task was cancelled: decide locally
+                if not f.done():
+                    f.set_result(None)
+
+    def _hand_out(self, backend: str, batch: list[asyncio.Future[bool | None]],
+                  got: int | None, epoch: int) -> None:
+        left = int(got) if got is not None else 0
+        for f in batch:
+            if f.done():  # its caller left during the round trip
+                continue
+            if got is None:
+                f.set_result(None)
+            elif left > 0:
+                left -= 1
+                self.local[backend] = self.local.get(backend, 0) + 1
+                self.acquires += 1
+                f.set_result(True)
+            else:
+                self.rejects += 1
+                f.set_result(False)
+        if left > 0 and not self._closing:  # taken for callers who left: give them back
+            self._release_later(backend, left, epoch)
 
     def release(self, backend: str) -> None:
         """Give a slot back; never blocks (the Redis update runs in a task)."""
@@ -326,7 +377,29 @@ class SharedState:
             self.host_held[backend] -= 1
             self.host.release(HOST_PREFIX + backend)
         if self.state == REDIS and not self._closing:
-            self._spawn(self._release_remote(backend, self.epoch))
+            self._release_later(backend, 1, self.epoch)
+
+    def _release_later(self, backend: str, n: int, epoch: int) -> None:
+        """Releases of one replica are batched: one call in flight, the next gives back all
+        that came meanwhile."""
+        pending = self._releasing.get(backend)
+        self._releasing[backend] = (pending or 0) + n
+        if pending is None:
+            self._spawn(self._releaser(backend, epoch))
+
+    async def _releaser(self, backend: str, epoch: int) -> None:
+        try:
+            while (n := self._releasing.get(backend, 0)) > 0:
+                self._releasing[backend] = 0
+                # A resync since then already wrote the count without these (StaleState).
+                await self._call(self._release, keys=[INFLIGHT_PREFIX + backend],
+                                 args=[self.gid, n], epoch=epoch)
+        except StaleState:
+            pass
+        except _FAILURES as e:
+            self._lost(e, epoch)
+        finally:
+            self._releasing.pop(backend, None)
 
     def move(self, src: str, dst: str) -> None:
         """A request already admitted to `src` is being retried on `dst`: its slot moves with
@@ -383,6 +456,9 @@ class SharedState:
             "in_flight_global": {b: {"total": sum(v.values()), "by_gateway": v}
                                  for b, v in self.global_in_flight.items()},
             "other_gateways": self.remote_work,
+            "local_reason": self.local_reason if self.state == LOCAL else None,
+            "redis_rtt_ms": round(1e3 * self.rtt_s, 2) if self.rtt_s is not None else None,
+            "redis_calls": self.calls,
             "transitions": self.transitions, "last_error": self.last_error,
             "acquired_shared": self.acquires, "acquired_local": self.local_acquires,
             "refused": self.rejects,
@@ -391,29 +467,43 @@ class SharedState:
     # -- internals ---------------------------------------------------------------------------
 
     async def _call(self, fn: Any, *args: Any, epoch: int | None = None, **kw: Any) -> Any:
-        """fn(*args, **kw) against Redis. At most MAX_CALLS at once (waiting for a turn is
-        local contention, not Redis being slow, so it is not timed); the call itself is
-        bounded by redis-py's socket timeouts and, as a whole, by 2 x timeout_s."""
-        async with self._sem:
-            if epoch is not None and epoch != self.epoch:
-                raise StaleState
-            async with asyncio.timeout(2 * self.timeout_s):
-                return await fn(*args, **kw)
+        """fn(*args, **kw) against Redis: at most redis_pool_size at once, bounded as a whole
+        (the wait for a turn included: calls piling up is Redis too slow for this load) by
+        2 x redis_timeout_s. Its round trip feeds the slow-Redis fallback."""
+        async with asyncio.timeout(2 * self.timeout_s):
+            async with self._sem:
+                if epoch is not None and epoch != self.epoch:
+                    raise StaleState
+                self.calls += 1
+                t0 = self.clock()
+                out = await fn(*args, **kw)
+                self._round_trip(self.clock() - t0)
+                return out
+
+    def _round_trip(self, rtt_s: float) -> None:
+        """Go local when the moving average has stayed above redis_slow_ms for
+        redis_slow_for_s (one log line); the background loop brings it back."""
+        avg = self.rtt_s = rtt_s if self.rtt_s is None else \
+            self.rtt_s + RTT_WEIGHT * (rtt_s - self.rtt_s)
+        if avg <= self.slow_s:
+            self._slow_since = None
+            return
+        now = self.clock()
+        if self._slow_since is None:
+            self._slow_since = now
+        if self.state == REDIS and now - self._slow_since >= self.cfg.redis_slow_for_s:
+            self._to(LOCAL)
+            self.local_reason = SLOW
+            log.warning("admission: Redis at %s is slow (round trips %.0f ms on average, "
+                        "above %.0f ms for %g s); using local accounting (%.0f%% of each "
+                        "replica's cap) until it is fast again", self.url, 1e3 * avg,
+                        1e3 * self.slow_s, self.cfg.redis_slow_for_s,
+                        100 * self.cfg.redis_share)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    async def _release_remote(self, backend: str, epoch: int) -> None:
-        try:
-            # A resync since then already wrote the count without this slot (StaleState).
-            await self._call(self._release, keys=[INFLIGHT_PREFIX + backend], args=[self.gid],
-                             epoch=epoch)
-        except StaleState:
-            pass
-        except _FAILURES as e:
-            self._lost(e, epoch)
 
     async def _force_acquire(self, backend: str, epoch: int) -> None:
         try:
@@ -442,6 +532,7 @@ class SharedState:
         self.last_error = _describe(e)
         if self.state == REDIS and (epoch is None or epoch == self.epoch):
             self._to(LOCAL)
+            self.local_reason = UNREACHABLE
             log.warning("admission: Redis at %s lost (%s); falling back to local accounting "
                         "(%.0f%% of each replica's cap) until it is back", self.url,
                         self.last_error, 100 * self.cfg.redis_share)
@@ -475,14 +566,20 @@ class SharedState:
             else:
                 await asyncio.sleep(self.retry_s)
                 try:
+                    if self.local_reason == SLOW:
+                        await self._call(self.r.ping)
+                        if self.rtt_s is not None and self.rtt_s > BACK_BELOW * self.slow_s:
+                            continue  # still slow
                     await self._connect()
                 except _FAILURES as e:
                     self.last_error = _describe(e)
                     continue
                 if self.state == LOCAL:
+                    was = self.local_reason
                     self._to(REDIS)
-                    log.warning("admission: Redis at %s reachable again; shared accounting "
-                                "resumed (this gateway's counts resynced: %s)", self.url,
+                    log.warning("admission: Redis at %s is %s again; shared accounting resumed "
+                                "(this gateway's counts resynced: %s)", self.url,
+                                "fast" if was == SLOW else "reachable",
                                 dict(self.local) or "none in flight")
 
     async def _refresh(self, epoch: int) -> None:

@@ -290,10 +290,14 @@ def _server(table: Any) -> ServerConfig:
         max_response_bytes=_count("server", table, "max_response_bytes", d.max_response_bytes,
                                   1024),
         admin_port=_admin_port(table, port),
+        admin_host=_host(table, "admin_host", d.admin_host),
+        admin_max_connections=_count("server", table, "admin_max_connections",
+                                     d.admin_max_connections, 1),
         admin_metrics=_typed("server", table, "admin_metrics", bool, d.admin_metrics,
                              "true or false"),
         admin_console=_typed("server", table, "admin_console", bool, d.admin_console,
                              "true or false"),
+        console_hosts=_names(table, "console_hosts"),
         workers=_workers(table, d.workers),
     )
 
@@ -310,6 +314,20 @@ def _count(where: str, table: dict[str, Any], key: str, default: int, minimum: i
     value: int = _typed(where, table, key, int, default, expected)
     if value < minimum:
         raise ConfigError(f"{where}.{key}", value, expected)
+    return value
+
+
+def _names(table: dict[str, Any], key: str) -> tuple[str, ...]:
+    value = table.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise ConfigError(f"server.{key}", value, 'a list of host names (or ["*"])')
+    return tuple(value)
+
+
+def _host(table: dict[str, Any], key: str, default: str) -> str:
+    value: str = _typed("server", table, key, str, default, "a host name or address")
+    if not value.strip():  # an empty host would listen on every interface
+        raise ConfigError(f"server.{key}", value, "a host name or address")
     return value
 
 
@@ -420,11 +438,24 @@ def _admission(table: Any) -> AdmissionConfig:
                                            d.engine_metrics_interval_s, positive=True),
         redis_url=redis_url, redis_share=fraction("redis_share", 0.0, 1.0),
         lease_s=_seconds("admission", table, "lease_s", d.lease_s, positive=True),
+        redis_timeout_s=_seconds("admission", table, "redis_timeout_s", d.redis_timeout_s,
+                                 positive=True),
+        redis_pool_size=count("redis_pool_size"),
+        redis_slow_ms=_milliseconds(table, "redis_slow_ms", d.redis_slow_ms),
+        redis_slow_for_s=_seconds("admission", table, "redis_slow_for_s", d.redis_slow_for_s),
         adaptive_concurrency=_typed("admission", table, "adaptive_concurrency", bool,
                                     d.adaptive_concurrency, "true or false"),
         adaptive_initial=count("adaptive_initial"), adaptive_min=count("adaptive_min"),
         adaptive_tolerance=_tolerance(table, d.adaptive_tolerance),
     )
+
+
+def _milliseconds(table: dict[str, Any], key: str, default: float) -> float:
+    value: float = _typed("admission", table, key, float, default,
+                          "a positive number of milliseconds")
+    if value <= 0:
+        raise ConfigError(f"admission.{key}", value, "a positive number of milliseconds")
+    return value
 
 
 def _tolerance(table: dict[str, Any], default: float) -> float:

@@ -44,8 +44,15 @@ class ServerConfig:
     max_event_bytes: int = 8 * 1024 * 1024
     max_response_bytes: int = 32 * 1024 * 1024
     # A separate listener for /admin/* (0 = the main one). /metrics and the console move there
-    # too when these say so.
+    # too when these say so. It has the main listener's header deadline and idle timeout, its
+    # own connection cap (inside the same descriptor budget), and binds loopback unless
+    # admin_host says otherwise: an admin surface is not for the public network by default.
     admin_port: int = 0
+    admin_host: str = "127.0.0.1"
+    admin_max_connections: int = 64
+    # Host names the console answers besides IP literals, localhost and the listen host (it has
+    # no key: an unknown Host is a DNS-rebinding page, 403); "*" = any.
+    console_hosts: tuple[str, ...] = ()
     admin_metrics: bool = False
     admin_console: bool = False
     # Worker processes on one port (SO_REUSEPORT) under a supervisor (gateway/ops/workers.py): an
@@ -104,6 +111,12 @@ class AdmissionConfig:
     redis_url: str = ""  # share in-flight and queued work across gateway processes
     redis_share: float = 1.0  # fraction of each cap this gateway keeps when Redis is down
     lease_s: float = 3.0  # a dead gateway's share is freed after this
+    redis_timeout_s: float = 0.25  # one Redis call, connect included (its wait for a turn too)
+    redis_pool_size: int = 16  # Redis connections, and calls in flight at once
+    # Round trips (a moving average) above redis_slow_ms for redis_slow_for_s: admission goes
+    # to the local share, as if Redis were down, until they are fast again.
+    redis_slow_ms: float = 50.0
+    redis_slow_for_s: float = 5.0
     # Learn each replica's useful concurrency (gradient on upstream TTFT, as Netflix's
     # concurrency-limits Gradient2 and Envoy's adaptive_concurrency filter), bounded above by
     # max_concurrency, so requests wait where they can be ordered: here, not in the engine.

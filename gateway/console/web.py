@@ -2,14 +2,19 @@
 (one JSON snapshot) and `/console/events` (the same snapshot pushed as SSE once a second).
 
 The live part of a snapshot (backends, admission queue) is read from the running gateway at
-the moment a browser asks; the finished-request part comes from the ConsoleRecorder. One
-snapshot is computed per interval and shared by every open tab.
+the moment a browser asks; the finished-request part comes from the ConsoleRecorder. A snapshot
+is computed at most once per STATE_MAX_AGE_S and shared by every open tab and every poll of
+/console/state: a loop of polls costs a cached write each, not a recomputation.
+
+The console has no key, so it answers only a `Host` it knows (gateway/edge/hosts.py: DNS
+rebinding), and every answer says the page may load only its own script, stylesheet and event
+stream, may not be framed, and leaks no referrer.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -19,12 +24,22 @@ from aiohttp import web
 
 from gateway.admission.controller import AdmissionView
 from gateway.console.recorder import ConsoleRecorder
+from gateway.edge import limits
+from gateway.edge.hosts import HostAllowList
 from gateway.request.proxy import RequestsView
 from gateway.upstream.routing import ReplicaView
 
+ConsoleHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 BREAKER_STATES = {0: "closed", 1: "half_open", 2: "open"}
 ASSETS = {"console.js": "application/javascript", "console.css": "text/css"}
 PUSH_INTERVAL_S = 1.0
+STATE_MAX_AGE_S = 0.25  # how old a snapshot /console/state or a push may serve
+# What console.html and console.js load: their own script, stylesheet and event stream (the
+# charts are DOM-built SVG, styles set through CSSOM), nothing else.
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+       "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+SECURITY_HEADERS = {"Content-Security-Policy": CSP, "X-Frame-Options": "DENY",
+                    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
 
 
 def _asset(name: str) -> bytes:
@@ -85,10 +100,13 @@ class Console:
     publishes now (None before start-up has finished)."""
 
     def __init__(self, recorder: ConsoleRecorder, live: Callable[[], Live | None],
-                 version: str = "") -> None:
+                 version: str = "", hosts: HostAllowList | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.recorder = recorder
         self.live = live
         self.version = version
+        self.hosts = hosts or HostAllowList(())
+        self.clock = clock
         self.closing = asyncio.Event()
         self._cached: tuple[float, bytes] | None = None
 
@@ -100,32 +118,34 @@ class Console:
         return out
 
     def snapshot_bytes(self) -> bytes:
-        """One snapshot per half interval, shared by every open tab."""
-        now = time.monotonic()
-        if self._cached is None or now - self._cached[0] >= PUSH_INTERVAL_S / 2:
+        """The snapshot as JSON, computed at most once per STATE_MAX_AGE_S and shared by every
+        tab and poll."""
+        now = self.clock()
+        if self._cached is None or now - self._cached[0] >= STATE_MAX_AGE_S:
             self._cached = (now, orjson.dumps(self.snapshot()))
         return self._cached[1]
 
     # -- handlers ------------------------------------------------------------------------------
     async def page(self, request: web.Request) -> web.Response:
         return web.Response(body=_asset("console.html"), content_type="text/html",
-                            charset="utf-8", headers={"Cache-Control": "no-store"})
+                            charset="utf-8", headers={"Cache-Control": "no-store",
+                                                      **SECURITY_HEADERS})
 
     async def asset(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
         if name not in ASSETS:
-            raise web.HTTPNotFound()
+            raise web.HTTPNotFound(headers=SECURITY_HEADERS)
         return web.Response(body=_asset(name), content_type=ASSETS[name], charset="utf-8",
-                            headers={"Cache-Control": "no-cache"})
+                            headers={"Cache-Control": "no-cache", **SECURITY_HEADERS})
 
     async def state(self, request: web.Request) -> web.Response:
-        return web.Response(body=orjson.dumps(self.snapshot()), content_type="application/json",
-                            headers={"Cache-Control": "no-store"})
+        return web.Response(body=self.snapshot_bytes(), content_type="application/json",
+                            headers={"Cache-Control": "no-store", **SECURITY_HEADERS})
 
     async def events(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-store",
-                                           "X-Accel-Buffering": "no"})
+                                           "X-Accel-Buffering": "no", **SECURITY_HEADERS})
         await resp.prepare(request)
         await resp.write(b"retry: 2000\n\n")
         try:
@@ -142,10 +162,22 @@ class Console:
     async def _on_shutdown(self, app: web.Application) -> None:
         self.closing.set()
 
+    def known_host(self, handler: ConsoleHandler) -> ConsoleHandler:
+        """The handler, for a Host the console answers; else 403 (and nothing of the page)."""
+        async def checked(request: web.Request) -> web.StreamResponse:
+            host = request.headers.get("Host")
+            if not self.hosts.allows(host):
+                return web.Response(
+                    status=403, content_type="text/plain", headers=SECURITY_HEADERS,
+                    text=f"The console does not answer Host {limits.clip(host, 128)!r}; add "
+                    "it to [server] console_hosts to open it under that name.\n")
+            return await handler(request)
+        return checked
+
     def add_routes(self, app: web.Application) -> None:
-        app.router.add_get("/console", self.page)
-        app.router.add_get("/console/", self.page)
-        app.router.add_get("/console/static/{name}", self.asset)
-        app.router.add_get("/console/state", self.state)
-        app.router.add_get("/console/events", self.events)
+        app.router.add_get("/console", self.known_host(self.page))
+        app.router.add_get("/console/", self.known_host(self.page))
+        app.router.add_get("/console/static/{name}", self.known_host(self.asset))
+        app.router.add_get("/console/state", self.known_host(self.state))
+        app.router.add_get("/console/events", self.known_host(self.events))
         app.on_shutdown.append(self._on_shutdown)

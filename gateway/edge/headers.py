@@ -15,7 +15,10 @@ header are forwarded, unless the backend denies them (`deny_headers`).
 
 Coming down (upstream -> client), dropped: hop-by-hop, framing and encoding we redo, `Server`,
 `Date`, and what identifies or binds the upstream account: `Set-Cookie`, `Set-Cookie2`,
-`openai-organization`, `openai-project`.
+`openai-organization`, `openai-project`. A whole (non-stream) answer is served from the
+gateway's origin, which is the console's too: it is never a document a browser would run there.
+It gets `X-Content-Type-Options: nosniff` and a sandboxing CSP, and a type other than JSON or
+plain text (an upstream's HTML error page, say) is relabelled `text/plain`.
 """
 from __future__ import annotations
 
@@ -98,6 +101,18 @@ def _keeps_upstream(low: str, forward_auth: bool, forward: tuple[str, ...],
     return not _policy_dropped(low) or low in {h.lower() for h in forward}
 
 
+# Whole answers: a browser that opens one renders it as inert text in an opaque origin.
+INERT_TYPES = frozenset({"application/json", "text/plain", "application/x-ndjson",
+                         "text/event-stream"})
+WHOLE_ANSWER_HEADERS = {"X-Content-Type-Options": "nosniff",
+                        "Content-Security-Policy": "default-src 'none'; sandbox"}
+
+
+def inert_type(content_type: str) -> bool:
+    base = content_type.partition(";")[0].strip().lower()
+    return base in INERT_TYPES or (base.startswith("application/") and base.endswith("+json"))
+
+
 def client_response_headers(upstream: CIMultiDictProxy[str], *, event_stream: bool,
                             extra: Iterable[tuple[str, str]] = ()) -> CIMultiDict[str]:
     drop = _connection_listed(upstream)
@@ -111,6 +126,10 @@ def client_response_headers(upstream: CIMultiDictProxy[str], *, event_stream: bo
         # no-transform: intermediaries must not re-encode (compress) the stream (RFC 9111).
         out["Cache-Control"] = "no-cache, no-transform"
         out["X-Accel-Buffering"] = "no"
+    else:
+        if not inert_type(out.get("Content-Type", "")):
+            out["Content-Type"] = "text/plain; charset=utf-8"
+        out.update(WHOLE_ANSWER_HEADERS)
     for name, value in extra:
         out[name] = value
     return out

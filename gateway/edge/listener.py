@@ -46,8 +46,8 @@ class ConnectionGuard:
             return limits.MAX_CONNECTIONS_PER_CLIENT
         self.by_client[client] = n + 1
         self.open += 1
-        if self._gauge is not None:
-            self._gauge.set(self.open)
+        if self._gauge is not None:  # inc/dec: the admin listener's guard shares the gauge
+            self._gauge.inc()
         return None
 
     def release(self, client: str) -> None:
@@ -58,7 +58,7 @@ class ConnectionGuard:
         else:
             self.by_client.pop(client, None)
         if self._gauge is not None:
-            self._gauge.set(self.open)
+            self._gauge.dec()
 
     def count(self, reason: str) -> None:
         self.rejected[reason] += 1

@@ -20,6 +20,7 @@ from gateway.config import Config
 from gateway.console import Console, ConsoleRecorder, Live
 from gateway.edge import listener
 from gateway.edge.auth import AuthPolicy
+from gateway.edge.hosts import HostAllowList
 from gateway.errors import SHUTDOWN, ListenError
 from gateway.ops.keys import (
     ADMIN_APP_KEY,
@@ -55,7 +56,7 @@ from gateway.upstream.routing import Replica, Router
 if TYPE_CHECKING:
     from gateway.admission.shared import SharedState
 
-__all__ = ["ADMIN_APP_KEY", "FINISHER_KEY", "build_app", "run", "serve", "start"]
+__all__ = ["ADMIN_APP_KEY", "FINISHER_KEY", "build_app", "run", "serve", "start", "start_admin"]
 
 log = logging.getLogger("slogate")
 
@@ -85,7 +86,9 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
         app[ADMIN_APP_KEY] = admin_app
     # The live console (GET /console): fed by the finisher, reads what the gateway publishes.
     app[RECORDER_KEY] = recorder = ConsoleRecorder(cfg.slo.classes.values())
-    app[CONSOLE_KEY] = console = Console(recorder, lambda: live(app), gateway.version())
+    s = cfg.server  # the console has no key: it answers only Hosts it knows (DNS rebinding)
+    hosts = HostAllowList((s.host, s.admin_host, *s.console_hosts))
+    app[CONSOLE_KEY] = console = Console(recorder, lambda: live(app), gateway.version(), hosts)
     console.add_routes(admin_app if cfg.server.admin_console else app)
     app.on_startup.append(startup)
     app.on_cleanup.append(cleanup)
@@ -182,19 +185,47 @@ async def start(app: web.Application, cfg: Config, host: str,
                 port: int) -> tuple[web.AppRunner, GuardedSite]:
     """Listen with the listener limits of [server] (header deadline, idle keep-alive timeout,
     connection caps in total and per client address, descriptor budget). A worker of
-    `--workers N` listens with SO_REUSEPORT and its share of the connection caps."""
+    `--workers N` listens with SO_REUSEPORT and its share of the connection caps. The admin
+    listener's cap (`start_admin`) is counted in the same descriptor budget."""
     s = cfg.server
     worker = app[WORKER_KEY]
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=s.drain_timeout_s + 5,
-                           **listener.runner_kwargs(s))
-    await runner.setup()
     max_conns, per_client = s.max_connections, s.max_connections_per_client
     if worker is not None:
         max_conns, per_client = worker.split_connections(max_conns, per_client)
-    max_conns = listener.fd_budget(max_conns, sum(b.pool_size for b in cfg.backends))
+    others = sum(b.pool_size for b in cfg.backends) + (
+        admin_connections(cfg, worker) if ADMIN_APP_KEY in app else 0)
+    max_conns = listener.fd_budget(max_conns, others)
     guard = listener.ConnectionGuard(max_conns, per_client, s.header_timeout_s, app[METRICS_KEY])
-    site = GuardedSite(runner, host, port, guard, reuse_port=worker is not None)
+    return await _listen(app, cfg, host, port, guard, reuse_port=worker is not None,
+                         shutdown_timeout=s.drain_timeout_s + 5)
+
+
+def admin_connections(cfg: Config, worker: WorkerContext | None) -> int:
+    """This process's cap on admin connections (a worker's share of admin_max_connections)."""
+    cap = cfg.server.admin_max_connections
+    return worker.split_connections(cap, 0)[0] if worker is not None else cap
+
+
+async def start_admin(app: web.Application, cfg: Config,
+                      host: str | None = None) -> tuple[web.AppRunner, GuardedSite]:
+    """The admin listener ([server] admin_port, on admin_host: loopback by default): the main
+    listener's header deadline and idle timeout, and a small connection cap of its own, so
+    idle or trickling admin connections can take neither descriptors nor the main port's
+    share of them."""
+    s = cfg.server
+    guard = listener.ConnectionGuard(admin_connections(cfg, app[WORKER_KEY]), 0,
+                                     s.header_timeout_s, app[METRICS_KEY])
+    return await _listen(app[ADMIN_APP_KEY], cfg, host or s.admin_host, s.admin_port, guard,
+                         reuse_port=app[WORKER_KEY] is not None)
+
+
+async def _listen(app: web.Application, cfg: Config, host: str, port: int,
+                  guard: listener.ConnectionGuard, *, reuse_port: bool,
+                  **kwargs: Any) -> tuple[web.AppRunner, GuardedSite]:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, **kwargs,
+                           **listener.runner_kwargs(cfg.server))
+    await runner.setup()
+    site = GuardedSite(runner, host, port, guard, reuse_port=reuse_port)
     try:
         await site.start()
     except OSError as e:  # one line for the user, and no unclosed upstream sessions
@@ -213,18 +244,13 @@ async def serve(cfg: Config, host: str, port: int, worker: WorkerContext | None 
     gc.freeze()
     gc.set_threshold(20_000, 20, 50)
     admin_runner = None
-    if ADMIN_APP_KEY in app:
-        admin_runner = web.AppRunner(app[ADMIN_APP_KEY], access_log=None)
-        await admin_runner.setup()
+    if ADMIN_APP_KEY in app:  # workers share the admin port as they share the main one
         try:
-            # Workers share the admin port as they share the main one.
-            await web.TCPSite(admin_runner, host, cfg.server.admin_port,
-                              reuse_port=worker is not None).start()
-        except OSError as e:
-            await admin_runner.cleanup()
+            admin_runner, admin_site = await start_admin(app, cfg)
+        except ListenError:
             await runner.cleanup()
-            raise ListenError(describe_listen_error(e, host, cfg.server.admin_port)) from None
-        log.info("admin listener on http://%s:%d", host, cfg.server.admin_port)
+            raise
+        log.info("admin listener on http://%s:%d", cfg.server.admin_host, admin_site.bound_port)
     names = ", ".join(f"{b.name} ({b.base_url})" for b in cfg.backends)
     log.info("listening on http://%s:%d, backends: %s", host, port, names)
     stop = asyncio.Event()

@@ -227,7 +227,8 @@ async def test_a_hung_redis_costs_admission_one_short_timeout() -> None:
     from gateway.telemetry.prometheus import Metrics
 
     with redis_server() as redis:
-        cfg = AdmissionConfig(enabled=True, redis_url=redis.url, lease_s=1.0, redis_share=0.5)
+        cfg = AdmissionConfig(enabled=True, redis_url=redis.url, lease_s=1.0, redis_share=0.5,
+                              redis_timeout_s=0.05)
         st = SharedState(cfg, Metrics())
         await st.start()
         try:

@@ -41,6 +41,7 @@ def browser() -> webdriver.Chrome:
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
                 "--window-size=1500,1900", "--hide-scrollbars"):
         opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # CSP violations land there
     return webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
 
 
@@ -138,6 +139,9 @@ async def run_checks(driver: webdriver.Chrome, gw: str, tmp_path: Path) -> None:
         bars = {b.get_attribute("data-stage"): float(b.get_attribute("data-ms"))
                 for b in row_el.find_elements(By.CSS_SELECTOR, ".bar")}
         assert bars["first_token"] >= STALL_MS * 0.95, bars
+        # The bars are placed through CSSOM (the page's CSP allows no inline style attribute).
+        bar = row_el.find_elements(By.CSS_SELECTOR, ".bar")[0]
+        assert bar.value_of_css_property("width") not in ("", "0px", "auto")
         assert max(bars, key=bars.get) == "first_token", bars
         # Groq-style timings split the engine's queue and prefill out: the stall is in neither.
         assert bars.get("engine_queue", 0) < 200 and bars.get("prefill", 0) < 200, bars
@@ -146,6 +150,10 @@ async def run_checks(driver: webdriver.Chrome, gw: str, tmp_path: Path) -> None:
         top = driver.find_elements(By.CSS_SELECTOR, ".wf-row")[0]
         assert top.get_attribute("data-request-id") == request_id
 
+        # Everything the page loads and does is allowed by its own Content-Security-Policy.
+        logs = await asyncio.to_thread(driver.get_log, "browser")
+        violations = [e["message"] for e in logs if "Content Security Policy" in e["message"]]
+        assert not violations, violations
         shot = Path(os.environ.get("SLOGATE_CONSOLE_SCREENSHOT") or tmp_path / "console.png")
         assert await asyncio.to_thread(driver.save_screenshot, str(shot))
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

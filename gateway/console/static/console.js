@@ -8,7 +8,13 @@ const el = (tag, attrs, ...kids) => {
   const e = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {
     if (k === "class") e.className = v; else if (k === "text") e.textContent = v;
-    else if (k.startsWith("data-") || k === "title" || k === "style") e.setAttribute(k, v);
+    else if (k === "style") {  // through CSSOM: the page's CSP allows no inline style attribute
+      for (const decl of v.split(";")) {
+        const i = decl.indexOf(":");
+        if (i > 0) e.style.setProperty(decl.slice(0, i).trim(), decl.slice(i + 1).trim());
+      }
+    }
+    else if (k.startsWith("data-") || k === "title") e.setAttribute(k, v);
     else e[k] = v;
   }
   for (const k of kids) if (k != null) e.append(k);
