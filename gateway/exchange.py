@@ -177,16 +177,20 @@ class Exchange:
         self.continued_from: list[int] = []
         self.captured_output: list[str] | None = None  # output text, content capture only
 
-    def continuing(self, result: str, span: Any) -> None:
-        """Record the current attempt, committed and broken, as done with: the next one
-        continues its answer. What the client already has (first token, token stamps, the
-        answer's id) stays; what the next attempt reports starts again."""
+    def _close_attempt(self, result: str, span: Any) -> None:
+        """The current attempt, with its own times and result, goes to `attempts`."""
         a = self.attempt
         if a is not None:
             a.t_sent, a.t_end, a.result, a.status, a.span = (self.t_sent, now_ns(), result,
                                                              self.status, span)
             self.attempts.append(a)
             self.attempt = None
+
+    def continuing(self, result: str, span: Any) -> None:
+        """Record the current attempt, committed and broken, as done with: the next one
+        continues its answer. What the client already has (first token, token stamps, the
+        answer's id) stays; what the next attempt reports starts again."""
+        self._close_attempt(result, span)
         self.continued_from.append(self.token_events)
         self.prompt_tokens = self.completion_tokens = None
         self.usage_source = None
@@ -198,12 +202,7 @@ class Exchange:
     def attempt_failed(self, result: str, span: Any) -> None:
         """Record the current attempt as failed and clear what it observed, so the next one
         starts a clean upstream timeline."""
-        a = self.attempt
-        if a is not None:
-            a.t_sent, a.t_end, a.result, a.status, a.span = (self.t_sent, now_ns(), result,
-                                                             self.status, span)
-            self.attempts.append(a)
-            self.attempt = None
+        self._close_attempt(result, span)
         self.t_sent = self.t_headers = self.t_first_event = self.t_first_token = 0
         self.t_first_visible = self.t_last_token = self.t_last_event = 0
         self.t_connect_start = self.t_connect_end = 0

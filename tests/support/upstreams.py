@@ -10,6 +10,7 @@ from aiohttp import web
 REQUESTS = web.AppKey("requests", list)
 CANCELLED = web.AppKey("cancelled", list)
 Step = bytes | float  # bytes: write them (one write, flushed); float: sleep that many seconds
+Answer = tuple[int, dict[str, str], Sequence[Step]]  # status, headers, script
 
 
 def scripted_app(script: Sequence[Step] | Callable[[dict[str, Any]], Sequence[Step]], *,
@@ -19,6 +20,14 @@ def scripted_app(script: Sequence[Step] | Callable[[dict[str, Any]], Sequence[St
 
     Records each request's path, headers and JSON body in app[REQUESTS], and each request
     that the gateway abandoned (disconnect) in app[CANCELLED]."""
+    def answer(body: dict[str, Any]) -> Answer:
+        return (status, headers or {"Content-Type": "text/event-stream"},
+                script(body) if callable(script) else script)
+
+    return _upstream(answer, abort_at_end)
+
+
+def _upstream(answer: Callable[[dict[str, Any]], Answer], abort_at_end: bool) -> web.Application:
     app = web.Application()
     requests: list[dict[str, Any]] = []
     app[REQUESTS] = requests
@@ -27,9 +36,8 @@ def scripted_app(script: Sequence[Step] | Callable[[dict[str, Any]], Sequence[St
     async def handler(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         requests.append({"path": request.path, "headers": dict(request.headers), "body": body})
-        steps = script(body) if callable(script) else script
-        resp = web.StreamResponse(status=status, headers=headers or {
-            "Content-Type": "text/event-stream"})
+        status, headers, steps = answer(body)
+        resp = web.StreamResponse(status=status, headers=headers)
         await resp.prepare(request)
         try:
             for step in steps:
@@ -61,30 +69,14 @@ def tokens(n: int, gap: float) -> list[Step]:
     return out
 
 
-Answer = tuple[int, dict[str, str], Sequence[Step]]  # status, headers, script
-
-
 def sequenced_app(answers: Sequence[Answer]) -> web.Application:
     """An upstream giving its n-th request the n-th answer (the last one from then on);
     requests recorded in app[REQUESTS] as by scripted_app."""
-    app = web.Application()
-    requests: list[dict[str, Any]] = []
-    app[REQUESTS] = requests
-    app[CANCELLED] = []
+    count = 0
 
-    async def handler(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        requests.append({"path": request.path, "headers": dict(request.headers), "body": body})
-        status, headers, steps = answers[min(len(requests), len(answers)) - 1]
-        resp = web.StreamResponse(status=status, headers=headers)
-        await resp.prepare(request)
-        for step in steps:
-            if isinstance(step, (int, float)):
-                await asyncio.sleep(step)
-            else:
-                await resp.write(step)
-        await resp.write_eof()
-        return resp
+    def answer(body: dict[str, Any]) -> Answer:
+        nonlocal count
+        count += 1
+        return answers[min(count, len(answers)) - 1]
 
-    app.router.add_post("/{tail:.*}", handler)
-    return app
+    return _upstream(answer, abort_at_end=False)
