@@ -41,6 +41,7 @@ from gateway.admission.estimator import ReplicaEstimator, TokenCalibration
 from gateway.admission.fairness import FairQueue
 from gateway.admission.limits import AdaptiveLimit
 from gateway.admission.quotas import DEFAULT_OUTPUT_TOKENS, Reservation, TenantQuotas
+from gateway.admission.shed_log import ShedLog
 from gateway.config import OPEN_POLICY, AdmissionConfig, TenantPolicy
 from gateway.errors import (
     OK,
@@ -297,6 +298,7 @@ class AdmissionController:
         self.cfg = cfg
         self.router = router
         self.metrics = metrics
+        self.shed_log = ShedLog()
         self.shared = shared  # admission.shared.SharedState when Redis is configured
         self.loads: dict[str, ReplicaLoad] = {}
         for r in router.replicas:
@@ -588,6 +590,7 @@ class AdmissionController:
 
     def _refusal(self, ctx: Exchange, reason: str, retry_after_s: float) -> GatewayError:
         self._decided(ctx, REJECTED, reason)
+        self.shed_log.refused(reason)
         self.metrics.tenants.shed(ctx.tenant_label, reason)
         return GatewayError(429, f"Request not admitted ({reason}): its SLO class "
                             f"'{ctx.target.name}' (TTFT {ctx.target.ttft_ms:g} ms, TPOT "
@@ -607,6 +610,8 @@ class AdmissionController:
 
     def _decided(self, ctx: Exchange, decision: str, reason: str) -> None:
         ctx.admission = (decision, reason)
+        if decision == ADMITTED:
+            self.shed_log.admitted()
         self.metrics.child(self.metrics.admission, (ctx.model_label, ctx.route, ctx.target.name,
                                                     decision, reason)).inc()
 
