@@ -99,8 +99,8 @@ class Exchange:
         "on_first_token",
         # the phases' working state
         "api", "operation", "key", "body", "parsed", "attempt", "ticket", "response",
-        "retry_budget_at", "last_failure", "too_long_for", "continuable", "streamed_text",
-        "continued_from", "captured_output",
+        "retry_budget_at", "last_failure", "too_long_for", "streamed_text", "continued_from",
+        "captured_output",
     )
 
     def __init__(self, route: str, gap_bounds_ns: tuple[int, ...] = ()) -> None:
@@ -169,12 +169,13 @@ class Exchange:
         self.response: web.StreamResponse | None = None  # the client response, once committed
         self.retry_budget_at = 0  # no new attempt starts after this (monotonic ns)
         self.last_failure: AttemptFailed | None = None  # of the latest failed attempt
-        self.too_long_for: list[str] = []  # models that said the prompt exceeds their context
-        # Mid-stream continuation: may this stream be continued if it breaks, the text the
-        # client got so far (kept only then), and the token count at each continuation.
-        self.continuable = False
-        self.streamed_text: list[str] = []
-        self.continued_from: list[int] = []
+        # models that said the prompt exceeds their context (a tuple: most requests have none)
+        self.too_long_for: tuple[str, ...] = ()
+        # Mid-stream continuation: the text the client got so far, kept only for a stream that
+        # may be continued if it breaks (None: it may not), and the token count at each
+        # continuation.
+        self.streamed_text: list[str] | None = None
+        self.continued_from: tuple[int, ...] = ()
         self.captured_output: list[str] | None = None  # output text, content capture only
 
     def _close_attempt(self, result: str, span: Any) -> None:
@@ -191,7 +192,7 @@ class Exchange:
         continues its answer. What the client already has (first token, token stamps, the
         answer's id) stays; what the next attempt reports starts again."""
         self._close_attempt(result, span)
-        self.continued_from.append(self.token_events)
+        self.continued_from = (*self.continued_from, self.token_events)
         self.prompt_tokens = self.completion_tokens = None
         self.usage_source = None
         self.finish_reasons = []

@@ -251,6 +251,7 @@ class Proxy:
         prefer: Replica | None = None
         broken: StreamBroken | None = None  # the committed stream being continued
         while True:
+            failure: AttemptFailed | None = None
             try:
                 return await self.attempt(ex, request, watchdog, overrides, prefer,
                                           continuing=broken is not None)
@@ -258,17 +259,13 @@ class Proxy:
                 failure = e.as_record()
             except StreamBroken as e:
                 broken = e.as_record()
-                if not self._may_continue(ex):
+            if broken is not None:  # committed: continue the answer, or end it with its error
+                result = failure.result if failure is not None else broken.result
+                if result in (TOTAL, SHUTDOWN) or not self._may_continue(ex):
                     return await self._end_broken(ex, broken)
-                ex.continuing(broken.result, self.tracing.end_attempt(ex, broken.result))
+                ex.continuing(result, self.tracing.end_attempt(ex, result))
                 continue
-            if broken is not None:  # a continuation that failed before its first token
-                self.metrics.child(self.metrics.continuations,
-                                   (ex.backend or "", failure.result)).inc()
-                if failure.result in (TOTAL, SHUTDOWN) or not self._may_continue(ex):
-                    return await self._end_broken(ex, broken)
-                ex.continuing(failure.result, self.tracing.end_attempt(ex, failure.result))
-                continue
+            assert failure is not None
             delay, prefer = self._next_try(ex, failure)
             if delay is None:
                 return self.answer_failure(ex, failure)
@@ -289,7 +286,7 @@ class Proxy:
         if not failure.retryable or attempts >= retry.max_attempts:
             return None, None
         if failure.result == ATTEMPT_CONTEXT_LENGTH:  # only a larger model may serve it
-            ex.too_long_for.append(ex.served_model or ex.model or "")
+            ex.too_long_for = (*ex.too_long_for, ex.served_model or ex.model or "")
             return (0.0 if self._untried(ex) else None), None
         assert ex.attempt is not None
         replica = ex.attempt.replica
@@ -365,15 +362,13 @@ class Proxy:
                 raise deadline_failure(reason) from None
         except AttemptFailed as e:
             ex.last_failure = e.as_record()
-            self.metrics.child(self.metrics.attempts, (replica.name, e.result)).inc()
+            self._count(replica, e.result, continuing)
             self._judge(attempt, e.judges_backend and not self._clients_own(
                 e.result, attempt, overrides), e.cause)
             attempt.close()
             raise
         except StreamBroken as e:  # committed, then cut or stalled: the proxy may continue it
-            self.metrics.child(self.metrics.attempts, (replica.name, e.result)).inc()
-            if continuing:
-                self.metrics.child(self.metrics.continuations, (replica.name, e.result)).inc()
+            self._count(replica, e.result, continuing)
             self._judge(attempt, not self._clients_own(e.result, attempt, overrides),
                         f"{e.result} after the first token ({e.reason})")
             attempt.close()
@@ -385,9 +380,7 @@ class Proxy:
                 replica.breaker.release()
             raise
         result = committed_result(ex)
-        self.metrics.child(self.metrics.attempts, (replica.name, result)).inc()
-        if continuing:
-            self.metrics.child(self.metrics.continuations, (replica.name, result)).inc()
+        self._count(replica, result, continuing)
         if result == ATTEMPT_OK:
             replica.breaker.success()
         else:
@@ -398,6 +391,12 @@ class Proxy:
                         f"status {ex.status}" if ex.status >= 400
                         else f"{result} after the first token ({ex.error_type})")
         return response
+
+    def _count(self, replica: Replica, result: str, continuing: bool) -> None:
+        """upstream_attempts_total, and continuations_total for a continuation's attempt."""
+        self.metrics.child(self.metrics.attempts, (replica.name, result)).inc()
+        if continuing:
+            self.metrics.child(self.metrics.continuations, (replica.name, result)).inc()
 
     @staticmethod
     def _judge(attempt: Attempt, failed: bool, cause: str) -> None:
@@ -520,7 +519,7 @@ class Proxy:
         send = dict(ex.parsed)
         continued = None
         if continuing:  # the same request, with the answer so far to continue
-            continued = api.continuation_body(send, ex.route, "".join(ex.streamed_text),
+            continued = api.continuation_body(send, ex.route, "".join(ex.streamed_text or ()),
                                               ex.token_events)
             if continued is None:
                 raise AttemptFailed(ATTEMPT_CUT, 502, "The answer cannot be continued.",
@@ -600,7 +599,8 @@ class Proxy:
                                              ex.continued_from[-1])).run()
         if up.status != 200 or not ex.stream or not ctype.startswith("text/event-stream"):
             return await self._whole(ex, up, api, extra)
-        ex.continuable = self._may_continue(ex)
+        if self._may_continue(ex):
+            ex.streamed_text = []
         headers_out = client_response_headers(up.headers, event_stream=True, extra=extra)
         capture: list[str] | None = [] if self._capturing(ex) else None
         ex.captured_output = capture

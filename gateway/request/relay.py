@@ -115,7 +115,7 @@ class Splicer:
         self.shape_tries = 4
         # A stream that may be continued keeps the text the client got (so no token shape:
         # every event is read); one that continues another has its events rewritten.
-        self.kept = ex.streamed_text if ex.continuable else None
+        self.kept = ex.streamed_text
         self.splice = splice
 
     def feed(self, chunk: bytes, t: int) -> bytes:
@@ -204,7 +204,6 @@ class Splicer:
             said = self.api.continuation_text(ev)
             if said is None:  # reasoning, a tool call: no prefill can carry it on
                 self.kept = None
-                self.ex.continuable = False
             else:
                 self.kept.append(said[0])
                 if self.ex.response_id is None:  # a stream without an opening chunk
@@ -509,8 +508,7 @@ class Relay:
         API format: never a silent clean close (Portkey #1797). One that another backend
         may finish is handed back to the proxy to decide (StreamBroken)."""
         result = _BROKEN.get(reason) or (ATTEMPT_CUT if outcome == UPSTREAM_TRUNCATED else None)
-        if (result is not None and self.ex.continuable and self.splicer.kept is not None
-                and not self.splicer.partial_out):
+        if result is not None and self.splicer.kept is not None and not self.splicer.partial_out:
             raise StreamBroken(result, reason, outcome, message, code or reason)
         return await end_with_error(self.ex, self.api, reason, outcome, message, code)
 

@@ -112,7 +112,7 @@ def record(ex: Exchange, split: TTFTSplit | None) -> dict[str, Any]:
         rec["attempts"] = [{"backend": a.backend, "result": a.result,
                             "ms": round((a.t_end - a.t_sent) / 1e6, 3)} for a in ex.attempts]
     if ex.continued_from:  # the stream broke there and another attempt continued it
-        rec["continued_from_token"] = ex.continued_from
+        rec["continued_from_token"] = list(ex.continued_from)
     if ex.error_type:
         rec["error_type"] = ex.error_type
     if ex.cancel_phase:

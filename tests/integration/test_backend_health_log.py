@@ -4,7 +4,6 @@ format), the server log has one line each for it failing, its circuit opening an
 health check failing and recovering, and a counter carries each."""
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import aiohttp
@@ -121,8 +120,10 @@ async def test_a_failing_health_check_is_logged_with_its_reason_and_counted(
             status["now"] = 200
             await wait_until(lambda: len(health_lines(caplog)) == 2, timeout=5,
                              what="the recovered check's line")
-            await asyncio.sleep(0.1)
-            assert await metric(base, "slogate_backend_healthy", backend="local") == 1
+            async def healthy_again() -> bool:
+                return await metric(base, "slogate_backend_healthy", backend="local") == 1
+
+            await wait_until(healthy_again, what="slogate_backend_healthy back to 1")
     assert health_lines(caplog)[0] == "backend 'local' failed its health check: /health: status 500"
     assert health_lines(caplog)[1].startswith("backend 'local' passes its health check again "
                                               "(after ")
