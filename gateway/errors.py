@@ -42,6 +42,8 @@ ATTEMPT_STALLED = "stalled"  # the idle deadline ended it
 ATTEMPT_IN_BAND_ERROR = "in_band_error"  # the upstream said so in the stream
 # ... and of one that failed before commit for the request's size: a larger model may serve it
 ATTEMPT_CONTEXT_LENGTH = "context_length"
+# ... and of one cancelled because the other attempt of a first-token race had a token first
+ATTEMPT_HEDGE_LOST = "hedge_lost"
 
 # An attempt's result in words, for an operator (what a backend's breaker remembers as its last
 # failure); http_<status> is "status <N>", a connect error names the address and why.
@@ -202,6 +204,9 @@ def deadline_failure(reason: str) -> AttemptFailed:
     if reason == TOTAL:
         return AttemptFailed(reason, 504, "The request ran past its total deadline.", reason,
                              retryable=False)
+    if reason == ATTEMPT_HEDGE_LOST:
+        return AttemptFailed(reason, 502, "Another attempt had the first token first.", reason,
+                             judges_backend=False)
     return AttemptFailed(reason, 503, "The gateway is shutting down.", reason, retryable=False,
                          judges_backend=False)
 

@@ -9,6 +9,7 @@ stamps start again for the next one.
 """
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -100,7 +101,7 @@ class Exchange:
         # the phases' working state
         "api", "operation", "key", "body", "parsed", "attempt", "ticket", "response",
         "retry_budget_at", "last_failure", "too_long_for", "streamed_text", "continued_from",
-        "captured_output",
+        "captured_output", "race", "hedge",
     )
 
     def __init__(self, route: str, gap_bounds_ns: tuple[int, ...] = ()) -> None:
@@ -177,6 +178,35 @@ class Exchange:
         self.streamed_text: list[str] | None = None
         self.continued_from: tuple[int, ...] = ()
         self.captured_output: list[str] | None = None  # output text, content capture only
+        self.race: Any = None  # request.hedge.Race while a first-token race may run
+        self.hedge: str | None = None  # how its race ended (won, lost, failed, abandoned)
+
+    def fork(self) -> Exchange:
+        """A hedge's own record: the request's facts, an upstream timeline of its own, and the
+        attempts so far (the one in flight too) as tried, so that it goes elsewhere. Its own
+        request id: an engine must not see two live requests with one id."""
+        f = Exchange(self.route, self.gap_bounds_ns)
+        f.t_received = self.t_received
+        for name in ("model", "stream", "api", "operation", "key", "body", "parsed", "tenant",
+                     "tenant_label", "policy", "slo", "model_label", "retry_budget_at",
+                     "too_long_for", "t_dispatched"):
+            setattr(f, name, getattr(self, name))
+        f.attempts = [*self.attempts, *((self.attempt,) if self.attempt is not None else ())]
+        if self.trace is not None:  # the same request's spans, its own attempt span
+            f.trace = copy.copy(self.trace)
+            f.trace.upstream = None
+        return f
+
+    def adopt(self, fork: Exchange) -> None:
+        """A hedge won: its attempt and what its send stamped become the request's (the reads
+        it recorded are replayed into the relay, which stamps the rest)."""
+        self.attempt = fork.attempt
+        for name in ("backend", "server_address", "server_port", "upstream_model",
+                     "served_model", "t_sent", "t_headers", "status", "usage_injected",
+                     "t_connect_start", "t_connect_end"):
+            setattr(self, name, getattr(fork, name))
+        if self.trace is not None and fork.trace is not None:
+            self.trace.upstream = fork.trace.upstream
 
     def _close_attempt(self, result: str, span: Any) -> None:
         """The current attempt, with its own times and result, goes to `attempts`."""

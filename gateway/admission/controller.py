@@ -349,6 +349,13 @@ class AdmissionController:
                 replica, ReplicaEstimator(self.cfg.forgetting), cap, adaptive)
         return load
 
+    def room_for_hedge(self, replicas: Sequence[Replica]) -> bool:
+        """May a first-token race add a request to one of these replicas? Only while nothing
+        waits for admission and one of them is below its limit: a hedge must not make an
+        overload worse."""
+        return not self.fair and any(
+            self.load_of(r).in_flight < self.load_of(r).limit() for r in replicas)
+
     # -- the decision ------------------------------------------------------------------------
 
     def _loads_for(self, ctx: Exchange, family: str,

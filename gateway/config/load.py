@@ -23,7 +23,7 @@ import logging
 import os
 import tomllib
 from collections.abc import Collection, Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from gateway.config.model import (
@@ -381,7 +381,8 @@ def _retry(table: Any) -> RetryPolicy:
                        same_replica_first=_typed("retry", table, "same_replica_first", bool,
                                                  d.same_replica_first, "true or false"),
                        max_continuations=_count("retry", table, "max_continuations",
-                                                d.max_continuations, 0))
+                                                d.max_continuations, 0),
+                       hedge_budget=_ratio("retry", table, "hedge_budget", d.hedge_budget))
 
 
 def _breaker(table: Any) -> BreakerPolicy:
@@ -739,6 +740,17 @@ def _positive_ms(where: str, table: dict[str, Any], key: str, required: bool) ->
     return value
 
 
+def _hedge_after(where: str, c: dict[str, Any]) -> float | Literal["auto"] | None:
+    value = c.get("hedge_after_ms")
+    if value == "auto":
+        return "auto"
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or value <= 0):
+        raise ConfigError(f"{where}.hedge_after_ms", value,
+                          'a positive number of milliseconds, or "auto" (the live P95 TTFT)')
+    return None if value is None else float(value)
+
+
 def _class_weight(where: str, c: dict[str, Any]) -> float:
     value: float = _typed(where, c, "weight", float, 1.0, "a positive number")
     if not value > 0:
@@ -759,7 +771,7 @@ def _slo(table: Any, classes_raw: Any) -> SLOConfig:
         if not isinstance(c, dict):
             raise ConfigError(where, c, "a table")
         _check_keys(where, c, {"name", "ttft_ms", "tpot_ms", "e2e_ms", "priority", "weight",
-                               "min_share"})
+                               "min_share", "hedge_after_ms"})
         name = c.get("name")
         if not isinstance(name, str) or not name or name in classes:
             raise ConfigError(f"{where}.name", name, "a non-empty name not used by another class")
@@ -771,6 +783,7 @@ def _slo(table: Any, classes_raw: Any) -> SLOConfig:
             priority=_typed(where, c, "priority", int, 0, "an integer (higher = more important)"),
             weight=_class_weight(where, c),
             min_share=_ratio(where, c, "min_share", SLOClass.min_share),
+            hedge_after_ms=_hedge_after(where, c),
         )
     if not classes:
         classes = {DEFAULT_CLASS.name: DEFAULT_CLASS}

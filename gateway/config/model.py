@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,9 @@ class RetryPolicy:
     # A committed stream cut or stalled after its first token may be finished this many times
     # by a backend with `continuation = "prefill"` (0 = never).
     max_continuations: int = 1
+    # First-token races (SLO classes' hedge_after_ms) may add at most this share of extra
+    # upstream requests per tenant.
+    hedge_budget: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -238,6 +242,10 @@ class SLOClass:
     weight: float = 1.0  # its share among classes of the same priority under contention
     # The least share of dispatches it keeps under contention, whatever the priorities.
     min_share: float = 0.05
+    # The first-token race: a stream still without its first token this long after it was sent
+    # gets a second attempt on another replica; the first to produce a token is the answer
+    # (None: off; "auto": the class's live P95 TTFT).
+    hedge_after_ms: float | Literal["auto"] | None = None
 
 
 DEFAULT_CLASS = SLOClass(name="default", ttft_ms=1000.0, tpot_ms=100.0)

@@ -31,6 +31,7 @@ from gateway.edge.headers import client_response_headers, upstream_request_heade
 from gateway.errors import (
     ATTEMPT_CONTEXT_LENGTH,
     ATTEMPT_CUT,
+    ATTEMPT_HEDGE_LOST,
     ATTEMPT_IN_BAND_ERROR,
     ATTEMPT_OK,
     ATTEMPT_STALLED,
@@ -57,6 +58,19 @@ from gateway.errors import (
 )
 from gateway.exchange import Attempt, Exchange
 from gateway.request.deadlines import DeadlineOverrides, Watchdog
+from gateway.request.hedge import (
+    ABANDONED,
+    FAILED,
+    LOST,
+    PRIMARY,
+    SKIP_NO_REPLICA,
+    SKIP_SATURATED,
+    WON,
+    FirstTokenProbe,
+    Handover,
+    Hedging,
+    Race,
+)
 from gateway.request.relay import Relay, end_with_error
 from gateway.telemetry.tracing import CAPTURE_LIMIT
 from gateway.timeline import now_ns
@@ -110,6 +124,9 @@ class Proxy:
         # The models some backend can continue a broken stream of ("*": any)
         self.prefill_models = frozenset(
             m for b in cfg.backends if b.continuation == "prefill" for m in (*b.models, *b.aliases))
+        # First-token races, for the classes that ask (they need the commit held for a token)
+        self.hedging = (Hedging(cfg, self.metrics) if self.hold_until_first_token and any(
+            c.hedge_after_ms is not None for c in cfg.slo.classes.values()) else None)
 
     def view(self) -> RequestsView:
         in_flight: Counter[str] = Counter()
@@ -250,15 +267,27 @@ class Proxy:
         backoff is waited for only to go back to one already tried."""
         prefer: Replica | None = None
         broken: StreamBroken | None = None  # the committed stream being continued
+        won: Handover | None = None  # a first-token race's hedge that won: the next attempt
         while True:
             failure: AttemptFailed | None = None
             try:
                 return await self.attempt(ex, request, watchdog, overrides, prefer,
-                                          continuing=broken is not None)
+                                          continuing=broken is not None, handover=won)
             except AttemptFailed as e:
                 failure = e.as_record()
             except StreamBroken as e:
                 broken = e.as_record()
+            race, ex.race, won = ex.race, None, None
+            if race is not None and failure is not None:
+                # Failed before commit (or lost the race): a hedge still running is the next
+                # attempt, not a failover.
+                if failure.result in (TOTAL, SHUTDOWN):
+                    race.close()
+                elif (won := await race.hedge_after_primary()) is not None:
+                    lost_tokens = ex.token_events
+                    ex.attempt_failed(failure.result, self.tracing.end_attempt(ex, failure.result))
+                    self._race_over(ex, race, WON, lost_tokens)
+                    continue
             if broken is not None:  # committed: continue the answer, or end it with its error
                 result = failure.result if failure is not None else broken.result
                 if result in (TOTAL, SHUTDOWN) or not self._may_continue(ex):
@@ -329,29 +358,39 @@ class Proxy:
         return random.uniform(0.0, min(self.retry.backoff_max_s,
                                        self.retry.backoff_base_s * 2 ** (attempts - 1)))
 
-    def _untried(self, ex: Exchange) -> bool:
-        """Is there a replica not tried yet, of the model or a fallback, that would take this
-        request now?"""
+    def _untried(self, ex: Exchange) -> list[Replica]:
+        """The replicas not tried yet, of the model or a fallback, that would take this
+        request now."""
         api = self._api(ex)
         tried = [a.replica for a in ex.attempts]
         if ex.attempt is not None:
             tried.append(ex.attempt.replica)
-        return any(r not in tried and r.healthy and r.available() and self._may_send(ex, m, r)
-                   for m in self._model_chain(ex) for r in self.router.replicas_for(m, api.family))
+        return [r for m in self._model_chain(ex) for r in self.router.replicas_for(m, api.family)
+                if r not in tried and r.healthy and r.available() and self._may_send(ex, m, r)]
 
     async def attempt(self, ex: Exchange, request: web.Request, watchdog: Watchdog,
                       overrides: DeadlineOverrides, prefer: Replica | None = None,
-                      continuing: bool = False) -> web.StreamResponse:
-        """One upstream attempt: choose a replica, send, relay. Its failure before commit is
-        counted against the replica (when it says something about the replica's health) and
-        raised as AttemptFailed; so is a committed answer that did not complete (cut,
-        stalled, an error in band)."""
-        attempt = self.choose_replica(ex, overrides, prefer, continuing)
+                      continuing: bool = False,
+                      handover: Handover | None = None) -> web.StreamResponse:
+        """One upstream attempt: choose a replica, send, relay (or go on with the hedge that
+        won a first-token race: `handover`). Its failure before commit is counted against the
+        replica (when it says something about the replica's health) and raised as
+        AttemptFailed; so is a committed answer that did not complete (cut, stalled, an error
+        in band)."""
+        if handover is None:
+            attempt = self.choose_replica(ex, overrides, prefer, continuing)
+        else:
+            attempt = self._adopt(ex, handover, watchdog)
         replica = attempt.replica
         try:
             try:
-                up = await self.send_upstream(ex, request, attempt, watchdog, continuing)
-                response = await self.relay(ex, request, up, watchdog, continuing)
+                if handover is not None:
+                    up = handover.up
+                else:
+                    if self.hedging is not None and not continuing:
+                        self._arm_race(ex, request, watchdog, overrides)
+                    up = await self.send_upstream(ex, request, attempt, watchdog, continuing)
+                response = await self.relay(ex, request, up, watchdog, continuing, handover)
             except asyncio.CancelledError:
                 # A deadline (or the drain) that fires before anything was committed — while
                 # connecting, waiting for headers, reading an error or a whole body — makes
@@ -391,6 +430,115 @@ class Proxy:
                         f"status {ex.status}" if ex.status >= 400
                         else f"{result} after the first token ({ex.error_type})")
         return response
+
+    # -- the first-token race -------------------------------------------------------------------
+
+    def _arm_race(self, ex: Exchange, request: web.Request, watchdog: Watchdog,
+                  overrides: DeadlineOverrides) -> None:
+        """A stream of a class that races gets a hedge if its first token is not there after
+        the class's delay (one race per request)."""
+        assert self.hedging is not None
+        if not ex.stream or ex.hedge is not None or ex.race is not None:
+            return
+        delay = self.hedging.delay_s(ex)
+        if delay is None:
+            return
+        race = ex.race = Race(watchdog, ex.target.name)
+        race.timer = asyncio.get_running_loop().call_later(
+            delay, self._start_hedge, ex, request, overrides, race)
+
+    def _start_hedge(self, ex: Exchange, request: web.Request, overrides: DeadlineOverrides,
+                     race: Race) -> None:
+        """The first token is late: start the hedge, if a replica not tried has room, the
+        admission queue is empty and the tenant's budget allows."""
+        race.timer = None
+        if race.winner is not None or not race.primary_running or ex.t_first_token:
+            return
+        assert self.hedging is not None
+        spare = self._untried(ex)
+        if not spare:
+            self.hedging.skipped(ex, SKIP_NO_REPLICA)
+            return
+        if self.admission is not None and not self.admission.room_for_hedge(spare):
+            self.hedging.skipped(ex, SKIP_SATURATED)
+            return
+        if self.hedging.spend(ex):
+            race.task = asyncio.create_task(self._hedge(ex, request, overrides, race))
+
+    async def _hedge(self, ex: Exchange, request: web.Request, overrides: DeadlineOverrides,
+                     race: Race) -> Handover | None:
+        """The hedge: on its own fork of the exchange, choose a replica not tried, send, and
+        read until its first token. Hands on what the relay needs if it won; None if it lost
+        or failed (counted and judged like any attempt, recorded on the request's
+        attempts)."""
+        hedging = self.hedging
+        assert hedging is not None
+        fork = ex.fork()
+        watchdog = Watchdog(fork, race.watchdog.total_at, 0.0)  # this task's own deadlines
+        try:
+            try:
+                attempt = self.choose_replica(fork, overrides)
+                up = await self.send_upstream(fork, request, attempt, watchdog)
+                if (up.status != 200
+                        or not up.headers.get("Content-Type", "").startswith("text/event-stream")):
+                    raise AttemptFailed(f"http_{up.status}", 502, f"The hedge was answered "
+                                        f"{up.status}.", "upstream_error",
+                                        judges_backend=up.status >= 500)
+                probe = FirstTokenProbe(fork, up, self._api(fork), race,
+                                        self.cfg.server.max_event_bytes)
+                won = await probe.run()
+            except asyncio.CancelledError:
+                reason = watchdog.claim()
+                if reason is None:
+                    raise  # the race is over, or the request
+                raise deadline_failure(reason) from None
+        except AttemptFailed as e:
+            self._hedge_over(ex, fork, race, e.result, FAILED,
+                             e.judges_backend and not self._clients_own(
+                                 e.result, fork.attempt, overrides) if fork.attempt else False,
+                             e.cause)
+            return None
+        except GatewayError:  # nothing left to send it to
+            hedging.skipped(ex, SKIP_NO_REPLICA)
+            return None
+        except asyncio.CancelledError:
+            self._hedge_over(ex, fork, race, ATTEMPT_HEDGE_LOST,
+                             LOST if race.winner == PRIMARY else ABANDONED)
+            raise
+        finally:
+            watchdog.stop()
+        if not won:
+            self._hedge_over(ex, fork, race, ATTEMPT_HEDGE_LOST, LOST)
+            return None
+        return Handover(fork, attempt, up, probe.body, probe.recorded)
+
+    def _hedge_over(self, ex: Exchange, fork: Exchange, race: Race, result: str, outcome: str,
+                    judged: bool = False, cause: str = "") -> None:
+        """A hedge that did not win: its connection closed now (the engine aborts it), its
+        attempt counted, judged when it says something about the backend, and recorded."""
+        attempt = fork.attempt
+        if attempt is not None:
+            self._count(attempt.replica, result, False)
+            self._judge(attempt, judged, cause)
+            attempt.close()
+            fork.attempt_failed(result, self.tracing.end_attempt(fork, result))
+            ex.attempts.append(fork.attempts[-1])
+        self._race_over(ex, race, outcome, fork.token_events)
+
+    def _race_over(self, ex: Exchange, race: Race, outcome: str, loser_tokens: int) -> None:
+        ex.hedge = outcome
+        assert self.hedging is not None
+        self.hedging.ended(race.cls, outcome, loser_tokens)
+
+    def _adopt(self, ex: Exchange, won: Handover, watchdog: Watchdog) -> Attempt:
+        """The hedge won: its attempt becomes the request's, watched by the request's own
+        deadlines from now on."""
+        ex.adopt(won.fork)
+        attempt = won.attempt
+        if ex.ticket is not None:
+            ex.ticket.move(attempt.replica)
+        watchdog.attempt(attempt.timeouts.first_token_s, attempt.timeouts.idle_s)
+        return attempt
 
     def _count(self, replica: Replica, result: str, continuing: bool) -> None:
         """upstream_attempts_total, and continuations_total for a continuation's attempt."""
@@ -578,7 +726,8 @@ class Proxy:
         return up
 
     async def relay(self, ex: Exchange, request: web.Request, up: UpstreamResponse,
-                    watchdog: Watchdog, continuing: bool = False) -> web.StreamResponse:
+                    watchdog: Watchdog, continuing: bool = False,
+                    handover: Handover | None = None) -> web.StreamResponse:
         """The upstream response to the client: an event stream byte-exact as it arrives
         (committed at the first token, or at the headers), anything else read whole (bounded)
         and passed through with its status."""
@@ -608,7 +757,9 @@ class Proxy:
                            hold_until_first_token=self.hold_until_first_token,
                            watchdog=watchdog, keepalive_s=self.cfg.server.keepalive_s,
                            capture=capture,
-                           max_event_bytes=self.cfg.server.max_event_bytes).run()
+                           max_event_bytes=self.cfg.server.max_event_bytes,
+                           race=ex.race if handover is None else None,
+                           handover=handover).run()
 
     def finish(self, ex: Exchange) -> None:
         """Release what the request held (admission ticket, upstream connection: back to the
@@ -616,6 +767,11 @@ class Proxy:
         from the finished timeline."""
         if ex.ticket is not None:
             ex.ticket.finish(ex)
+        if ex.race is not None:  # a hedge still running ends with its request
+            ex.race.close()
+            ex.race = None
+        if self.hedging is not None:
+            self.hedging.finished(ex)
         if ex.attempt is not None and ex.attempt.response is not None:
             if ex.outcome == OK:  # pooled (closed instead if its body did not end: lingered)
                 ex.attempt.response.release()

@@ -26,6 +26,7 @@ from gateway.edge.limits import EVENT_TOO_LARGE
 from gateway.errors import (
     ATTEMPT_CONTEXT_LENGTH,
     ATTEMPT_CUT,
+    ATTEMPT_HEDGE_LOST,
     ATTEMPT_IN_BAND_ERROR,
     ATTEMPT_STALLED,
     CLOSED_BEFORE_FIRST_TOKEN,
@@ -58,6 +59,7 @@ from gateway.transport.wire import (
 if TYPE_CHECKING:
     from gateway.apis.base import Api, EventInfo, Splice, TokenShape
     from gateway.request.deadlines import Watchdog
+    from gateway.request.hedge import Handover, Race
     from gateway.transport.client import UpstreamResponse
 
 HOLD_LIMIT = 64 * 1024
@@ -244,7 +246,8 @@ class Relay:
                  watchdog: Watchdog, keepalive_s: float = 0.0,
                  capture: list[str] | None = None,
                  max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
-                 splice: Splice | None = None) -> None:
+                 splice: Splice | None = None, race: Race | None = None,
+                 handover: Handover | None = None) -> None:
         self.request = request
         self.ex = ex
         self.up = up
@@ -258,7 +261,11 @@ class Relay:
         self.held_bytes = 0
         self.held: list[bytes] = []  # before commit
         self.t_last_write = 0
-        self.body = UpstreamBody(up)
+        # A first-token race's: the commit claims it (a hedge may have had its token first).
+        self.race = race
+        # A hedge that won: its body (paused) and its reads so far, replayed with their times.
+        self.body = handover.body if handover is not None else UpstreamBody(up)
+        self.recorded = handover.recorded if handover is not None else None
         # After commit: a continuation writes on to the response its first attempt began.
         self.wire = ClientWire(request, ex.response) if ex.response is not None else None
         self.tokens_before = ex.token_events  # the idle deadline starts at this one's first
@@ -273,13 +280,14 @@ class Relay:
 
     # -- the sink: called from inside the upstream protocol's callbacks, never awaits ---------
 
-    def body_data(self, chunk: bytes) -> None:
+    def body_data(self, chunk: bytes, at: int = 0) -> None:
+        """One upstream read (`at`: when it arrived, for a hedge's replayed reads)."""
         if self.end is not None:
             return  # ending already (client gone, event too large): nothing more goes out
         ex = self.ex
         t = now_ns()
         try:
-            out = self.splicer.feed(chunk, t)
+            out = self.splicer.feed(chunk, at or t)
             if not self.idle_armed and ex.token_events > self.tokens_before:
                 self.watchdog.first_token()
                 self.idle_armed = True
@@ -304,8 +312,8 @@ class Relay:
                 if failed is not None:
                     self._finish(failed)
                 elif not self.hold or ex.t_first_token or ex.done or ex.error_type:
-                    self._commit()  # the first token leaves in the read that brought it
-                    if self._client_wire().full:
+                    # the first token leaves in the read that brought it
+                    if self._commit() and self._client_wire().full:
                         self._drain_first()
                 elif self.held_bytes + len(self.splicer.pending) > self.max_event_bytes:
                     self._finish(EventTooLarge(self.held_bytes + len(self.splicer.pending),
@@ -373,15 +381,21 @@ class Relay:
 
     # -- the coroutine -------------------------------------------------------------------------
 
-    def _commit(self) -> None:
-        """Send the response head and what was held, once, in one write. Synchronous (no await:
+    def _commit(self) -> bool:
+        """Send the response head and what was held, once, in one write (False: a race this
+        attempt lost, nothing sent). Synchronous (no await:
         gateway/transport/wire.py's start_response), so it runs wherever commit is due — inside the
         upstream read that brought the first token, in the pinger, at the end — and nothing
         can come between the held bytes and the ones after them. The exchange's `response` is
         the commit state."""
         ex = self.ex
         if ex.response is not None:
-            return
+            return True
+        if self.race is not None and not self.race.primary_claims():
+            # The hedge racing it had its token first: its watchdog has ended this attempt
+            # already; this is only what the coroutine raises should it get that far.
+            self._finish(deadline_failure(ATTEMPT_HEDGE_LOST))
+            return False
         resp = CoalescedResponse(status=self.up.status, headers=self.headers)  # type: ignore[arg-type]
         first, self.held, self.held_bytes = b"".join(self.held), [], 0
         ex.t_committed = now_ns()
@@ -389,6 +403,7 @@ class Relay:
         ex.response = resp
         self.wire = ClientWire(self.request, resp)
         self.t_last_write = now_ns()
+        return True
 
     async def _keepalive(self) -> None:
         """Comment pings while the client would otherwise see nothing (load balancers drop
@@ -400,7 +415,8 @@ class Relay:
             if (now_ns() - self.t_last_write) / 1e9 < interval or self.splicer.partial_out:
                 continue
             try:
-                self._commit()
+                if not self._commit():
+                    return
                 if self.wire is not None and not self.wire.send(PING):
                     return  # the reader finds out at its next write
             except ClientGone:
@@ -424,7 +440,13 @@ class Relay:
         but its end."""
         body = self.body
         loop = asyncio.get_running_loop()
+        if self.recorded is not None:  # a hedge's reads first, in order, with their times
+            recorded, self.recorded = self.recorded, None
+            for chunk, t in recorded:
+                self.body_data(chunk, t)
         body.hook(self)
+        if body.paused and not self.drain_asked and self.end is None:
+            body.resume()  # paused by the hedge's probe when it won
         try:
             while True:
                 if not self.drain_asked and self.end is None:
@@ -472,7 +494,8 @@ class Relay:
         except EventTooLarge as e:
             return await self._too_large(e)
         if ex.done or complete_at_eof(ex, self.choices):
-            self._commit()
+            if not self._commit():
+                raise deadline_failure(ATTEMPT_HEDGE_LOST)
             pending = self.splicer.pending
             if pending:
                 await write(self._client(), pending)

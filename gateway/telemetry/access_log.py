@@ -111,6 +111,8 @@ def record(ex: Exchange, split: TTFTSplit | None) -> dict[str, Any]:
     if ex.attempts:
         rec["attempts"] = [{"backend": a.backend, "result": a.result,
                             "ms": round((a.t_end - a.t_sent) / 1e6, 3)} for a in ex.attempts]
+    if ex.hedge:  # a first-token race: how it ended
+        rec["hedge"] = ex.hedge
     if ex.continued_from:  # the stream broke there and another attempt continued it
         rec["continued_from_token"] = list(ex.continued_from)
     if ex.error_type:

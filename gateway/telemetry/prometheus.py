@@ -212,6 +212,20 @@ class Metrics:
             "slogate_continuations", "Broken streams continued by a backend from the text "
             "so far, by how the continuation ended (ok, or its attempt result).",
             ("backend", "result"), registry=self.registry)
+        self.hedges = Counter(
+            "slogate_hedges", "First-token races started (a second attempt for a late first "
+            "token), by how they ended: won (the hedge answered), lost (the first attempt "
+            "did), failed (the hedge failed), abandoned (the request ended first).",
+            ("slo_class", "result"), registry=self.registry)
+        self.hedges_skipped = Counter(
+            "slogate_hedges_skipped", "First tokens late enough to race that did not, by why: "
+            "budget (the tenant's hedge budget is spent), saturated (admission has requests "
+            "waiting, or no other replica has room), no_replica.",
+            ("slo_class", "reason"), registry=self.registry)
+        self.hedge_tokens = Counter(
+            "slogate_hedge_tokens", "Tokens spent by the losing attempts of first-token races: "
+            "prompt (sent to both) and completion (produced before it was cancelled).",
+            ("slo_class", "kind"), registry=self.registry)
         self.breaker = Gauge("slogate_backend_breaker_state",
                              "Circuit breaker per backend replica: 0 closed, 1 half-open, 2 open.",
                              ("backend",), registry=self.registry)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ def scripted_app(script: Sequence[Step] | Callable[[dict[str, Any]], Sequence[St
     """An upstream answering every POST with `script` (or script(body) for each request).
 
     Records each request's path, headers and JSON body in app[REQUESTS], and each request
-    that the gateway abandoned (disconnect) in app[CANCELLED]."""
+    that the gateway abandoned (disconnect) in app[CANCELLED] (when: time.monotonic())."""
     def answer(body: dict[str, Any]) -> Answer:
         return (status, headers or {"Content-Type": "text/event-stream"},
                 script(body) if callable(script) else script)
@@ -46,7 +47,7 @@ def _upstream(answer: Callable[[dict[str, Any]], Answer], abort_at_end: bool) ->
                 else:
                     await resp.write(step)
         except (asyncio.CancelledError, ConnectionResetError):
-            app[CANCELLED].append(True)
+            app[CANCELLED].append(time.monotonic())
             raise
         if abort_at_end:
             assert request.transport is not None
