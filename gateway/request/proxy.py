@@ -759,7 +759,8 @@ class Proxy:
                            capture=capture,
                            max_event_bytes=self.cfg.server.max_event_bytes,
                            race=ex.race if handover is None else None,
-                           handover=handover).run()
+                           replay=None if handover is None
+                           else (handover.body, handover.recorded)).run()
 
     def finish(self, ex: Exchange) -> None:
         """Release what the request held (admission ticket, upstream connection: back to the

@@ -16,7 +16,7 @@ stream ends with an error event in the client's API format.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 
@@ -59,7 +59,6 @@ from gateway.transport.wire import (
 if TYPE_CHECKING:
     from gateway.apis.base import Api, EventInfo, Splice, TokenShape
     from gateway.request.deadlines import Watchdog
-    from gateway.request.hedge import Handover, Race
     from gateway.transport.client import UpstreamResponse
 
 HOLD_LIMIT = 64 * 1024
@@ -89,6 +88,13 @@ def splice(buf: bytes, drops: list[tuple[int, int]] | None, cut: int) -> bytes:
         prev = end
     parts.append(buf[prev:cut])
     return b"".join(parts)
+
+
+class RaceClaim(Protocol):
+    """A first-token race (request/hedge.py's Race), as the relay of its first attempt sees
+    it: the commit claims it."""
+
+    def primary_claims(self) -> bool: ...
 
 
 class Splicer:
@@ -246,8 +252,8 @@ class Relay:
                  watchdog: Watchdog, keepalive_s: float = 0.0,
                  capture: list[str] | None = None,
                  max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
-                 splice: Splice | None = None, race: Race | None = None,
-                 handover: Handover | None = None) -> None:
+                 splice: Splice | None = None, race: RaceClaim | None = None,
+                 replay: tuple[UpstreamBody, list[tuple[bytes, int]]] | None = None) -> None:
         self.request = request
         self.ex = ex
         self.up = up
@@ -264,8 +270,11 @@ class Relay:
         # A first-token race's: the commit claims it (a hedge may have had its token first).
         self.race = race
         # A hedge that won: its body (paused) and its reads so far, replayed with their times.
-        self.body = handover.body if handover is not None else UpstreamBody(up)
-        self.recorded = handover.recorded if handover is not None else None
+        self.recorded: list[tuple[bytes, int]] | None = None
+        if replay is not None:
+            self.body, self.recorded = replay
+        else:
+            self.body = UpstreamBody(up)
         # After commit: a continuation writes on to the response its first attempt began.
         self.wire = ClientWire(request, ex.response) if ex.response is not None else None
         self.tokens_before = ex.token_events  # the idle deadline starts at this one's first
