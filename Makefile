@@ -9,7 +9,7 @@ DURATION ?=
 STAMP := $(VENV)/.slogate-installed
 DEMO_STAMP := $(VENV)/.slogate-demo-installed
 
-.PHONY: demo lint test test-fast bench bench-slow bench-goodput bench-workers deploy-generate soak serve sim system-deps clean
+.PHONY: demo lint test test-fast bench bench-slow bench-goodput bench-faults bench-workers deploy-generate soak serve sim system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -75,6 +75,11 @@ deploy-generate: $(STAMP)
 # Goodput with SLO-aware admission vs pass-through under overload (QUICK=1 for a smoke run).
 bench-goodput: $(STAMP)
 	$(PY) -m benchmarks.goodput $(if $(QUICK),--quick)
+
+# P99 TTFT, goodput and extra tokens with one replica stalling 5 % of first tokens, with and
+# without the first-token race (FAULTS_ARGS="--seconds 60" for a longer run).
+bench-faults: $(STAMP)
+	$(PY) -m benchmarks.faults --out bench-results $(FAULTS_ARGS)
 
 # Soak with fault injection at ~70 % of the simulator's capacity; fails on leaks
 # (SOAK_S=seconds, default 600).

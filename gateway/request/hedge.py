@@ -14,9 +14,10 @@ at once (its connection closed: the engine aborts it, as for a client that left)
 - A primary that fails before commit while its hedge runs does not fail over: the hedge is
   its next attempt.
 - `Hedging` decides whether a request may race at all: its class's `hedge_after_ms` (or
-  "auto", the class's live P95 TTFT), a budget per tenant (at most `retry.hedge_budget` extra
-  upstream requests per request, banked up to a few), and never when admission has requests
-  waiting or the other replica is full (a hedge must not make overload worse).
+  "auto", the class's live P95 TTFT, at least twice its median), a budget per tenant (at most
+  `retry.hedge_budget` extra upstream requests per request, banked up to a few), and never
+  when admission has requests waiting or the other replica is full (a hedge must not make
+  overload worse).
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ WON, LOST, FAILED, ABANDONED = "won", "lost", "failed", "abandoned"
 SKIP_BUDGET, SKIP_SATURATED, SKIP_NO_REPLICA = "budget", "saturated", "no_replica"
 AUTO_WINDOW = 256  # recent first tokens per class for "auto"
 AUTO_MIN_SAMPLES = 20  # before that, "auto" does not race
+AUTO_MEDIAN_FACTOR = 2.0  # "auto" races no earlier than twice the median first token
 BUDGET_BANK = 3.0  # hedges a tenant may bank (a burst of slow first tokens)
 
 
@@ -266,4 +268,7 @@ class Hedging:
         seen = self.seen[name] = self.seen.get(name, 0) + 1
         if len(window) >= AUTO_MIN_SAMPLES and seen % 8 == 0:  # sorted every 8th, not each
             ordered = sorted(window)
-            self.p95[name] = ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+            p95 = ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+            # Where first tokens are tightly spread, their P95 is barely above the median: a
+            # race there is mostly lost, and spends the budget a real stall would need.
+            self.p95[name] = max(p95, AUTO_MEDIAN_FACTOR * ordered[len(ordered) // 2])

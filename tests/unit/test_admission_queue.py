@@ -193,3 +193,19 @@ async def test_close_cancels_a_queue_drain_in_progress() -> None:
     await wait_until(lambda: not draining(), timeout=2, what="the drain cancelled")
     assert not ctrl._waking  # a controller reopened later would drain again
     task.cancel()
+
+
+async def test_a_first_token_race_finds_room_only_below_the_limit_and_with_nobody_waiting() -> None:
+    clock = FakeClock()
+    ctrl = controller(clock, cap=1)
+    [replica] = ctrl.router.replicas
+    assert ctrl.room_for_hedge([replica])
+    holder = await ctrl.admit(request(clock, "x", 0, 60), FAMILY, BODY, None)
+    assert not ctrl.room_for_hedge([replica])  # at its limit
+    waiting = await queued(ctrl, request(clock, "y", 0, 60))
+    holder.finish(Exchange("/v1/chat/completions"))
+    assert not ctrl.room_for_hedge([replica])  # someone is waiting for admission
+    await admitted_next(ctrl, {"y": waiting})
+    waiting.result().finish(Exchange("/v1/chat/completions"))
+    assert ctrl.room_for_hedge([replica])
+    await ctrl.close()
