@@ -128,13 +128,16 @@ class Prepared:
     usage_injected: bool = False  # the gateway asked for usage: drop the usage-only chunk
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Splice:
     """What a continuation's events are rewritten to: the answer the client has been reading
-    (its id and model) and how many tokens of it came before (for the usage it reports)."""
+    (its id and model) and how many tokens of it came before (for the usage it reports).
+    `repeat`: text the client has already that the continuation may send again at its start
+    (what the prefill had to leave out); dropped once, from its first text."""
     response_id: str | None
     model: str | None
     tokens_before: int
+    repeat: str = ""
 
 
 class Api(ABC):
@@ -200,7 +203,7 @@ class Api(ABC):
         path unless the operator asked for it)."""
         return None
 
-    # -- mid-stream continuation (an API that can, overrides all three) ------------------------
+    # -- mid-stream continuation (an API that can, overrides these) ----------------------------
     continues = False
 
     def continuation_text(self, event: SSEEvent) -> tuple[str, str | None] | None:
@@ -215,6 +218,10 @@ class Api(ABC):
         same request with that text as the assistant's to continue, and a token limit reduced
         by what was sent. None where it cannot be continued."""
         return None
+
+    def continuation_repeat(self, text: str) -> str:
+        """What of `text` the continuation's prefill leaves out (and so may send again)."""
+        return ""
 
     def splice_event(self, event: SSEEvent, splice: Splice) -> bytes | None:
         """One event of a continuation as the client's stream goes on with it: the answer's

@@ -21,6 +21,7 @@ from gateway.apis.base import (
     Api,
     EventInfo,
     Provider,
+    Splice,
     bounded,
     count,
     json_object,
@@ -197,6 +198,83 @@ class Messages(Api):
             text = delta.get("text") if isinstance(delta, dict) else None
             return text if isinstance(text, str) else None
         return None
+
+    # -- mid-stream continuation: Anthropic's assistant prefill ------------------------------
+    # The answer so far goes back as a final assistant message, which the model continues.
+    # Anthropic refuses a prefill that ends in whitespace: that part is left out of it, and
+    # dropped from the continuation's first text if it sends it again.
+    continues = True
+
+    def continuation_text(self, event: SSEEvent) -> tuple[str, str | None] | None:
+        obj = json_object(event.data)
+        if obj is None or obj.get("index", 0) != 0:
+            return None  # one text block only: a second block (a tool call) cannot go on
+        kind = obj.get("type")
+        if kind == "content_block_delta":
+            delta = obj.get("delta")
+            if isinstance(delta, dict) and delta.get("type") == "text_delta":
+                text = delta.get("text")
+                return (text, None) if isinstance(text, str) else None
+        elif kind == "content_block_start":
+            block = obj.get("content_block")
+            if isinstance(block, dict) and block.get("type") == "text":
+                text = block.get("text")
+                return (text, None) if isinstance(text, str) else None
+        return None  # thinking, a tool's input
+
+    def continuation_body(self, body: dict[str, Any], route: str, text: str,
+                          tokens: int) -> dict[str, Any] | None:
+        messages = body.get("messages")
+        prefill = text.rstrip()
+        if not isinstance(messages, list) or not messages or not prefill:
+            return None
+        last = messages[-1]
+        if isinstance(last, dict) and last.get("role") == "assistant":
+            own = last.get("content")  # the client's own prefill: the answer goes on from it
+            if not isinstance(own, str):
+                return None
+            messages, prefill = messages[:-1], own + prefill
+        out = dict(body)
+        out["messages"] = [*messages, {"role": "assistant", "content": prefill}]
+        limit = out.get("max_tokens")
+        if type(limit) is int:
+            out["max_tokens"] = max(1, limit - tokens)
+        return out
+
+    def continuation_repeat(self, text: str) -> str:
+        return text[len(text.rstrip()):]
+
+    def splice_event(self, event: SSEEvent, splice: Splice) -> bytes | None:
+        obj = json_object(event.data)
+        if obj is None:
+            return None  # nothing a client could read
+        kind = obj.get("type")
+        if kind == "message_start":
+            return None  # the client's message is open already
+        if kind == "content_block_start" and obj.get("index", 0) == 0:
+            block = obj.get("content_block")
+            text = block.get("text") if isinstance(block, dict) else None
+            if not text:
+                return None  # so is its first block
+            obj = {"type": "content_block_delta", "index": 0,
+                   "delta": {"type": "text_delta", "text": text}}
+            kind = "content_block_delta"
+        if kind == "content_block_delta" and splice.repeat:
+            delta = obj.get("delta")
+            if isinstance(delta, dict) and isinstance(delta.get("text"), str):
+                repeat, splice.repeat = splice.repeat, ""
+                if delta["text"].startswith(repeat):
+                    delta["text"] = delta["text"][len(repeat):]
+                if not delta["text"]:
+                    return None
+        if kind == "message_delta":
+            usage = obj.get("usage")
+            if isinstance(usage, dict):
+                if type(usage.get("output_tokens")) is int:
+                    usage["output_tokens"] += splice.tokens_before
+                if type(usage.get("input_tokens")) is int:
+                    usage["input_tokens"] = max(0, usage["input_tokens"] - splice.tokens_before)
+        return b"event: " + str(kind).encode() + b"\ndata: " + orjson.dumps(obj) + b"\n\n"
 
 
 API = Messages()

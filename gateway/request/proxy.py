@@ -745,7 +745,8 @@ class Proxy:
                                watchdog=watchdog, keepalive_s=self.cfg.server.keepalive_s,
                                max_event_bytes=self.cfg.server.max_event_bytes,
                                splice=Splice(ex.response_id, ex.response_model,
-                                             ex.continued_from[-1])).run()
+                                             ex.continued_from[-1], api.continuation_repeat(
+                                                 "".join(ex.streamed_text or ())))).run()
         if up.status != 200 or not ex.stream or not ctype.startswith("text/event-stream"):
             return await self._whole(ex, up, api, extra)
         if self._may_continue(ex):

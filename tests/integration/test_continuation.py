@@ -11,6 +11,7 @@ import aiohttp
 import openai
 import orjson
 import pytest
+from anthropic import AsyncAnthropic
 from openai import AsyncOpenAI
 
 from backends.sim import SimConfig, build_app as build_sim
@@ -147,3 +148,38 @@ async def sim_requests(url: str) -> list[dict[str, Any]]:
     async with aiohttp.ClientSession() as s, s.get(url + "/sim/requests") as r:
         out: list[dict[str, Any]] = await r.json()
         return out
+
+
+async def anthropic_text(base: str) -> tuple[str, Any, list[str]]:
+    """The text, usage and event types of a streamed Messages answer, via the anthropic SDK."""
+    client = AsyncAnthropic(base_url=base, api_key="k", max_retries=0)
+    try:
+        async with client.messages.stream(model="m", max_tokens=24, messages=MSG) as s:
+            kinds = [e.type async for e in s]
+            final = await s.get_final_message()
+        return "".join(b.text for b in final.content if b.type == "text"), final.usage, kinds
+    finally:
+        await client.close()
+
+
+async def test_a_messages_stream_is_continued_by_an_anthropic_prefill_exactly() -> None:
+    # The cut falls after a token that ends in a space: Anthropic refuses a prefill ending in
+    # whitespace, so the prefill leaves it out and the continuation's repeat of it is dropped.
+    cut, whole = build_sim(SimConfig(cut_after=5, **FAST)), build_sim(SimConfig(**FAST))
+    async with serve_app(cut) as cut_url, serve_app(whole) as whole_url:
+        unbroken, usage, _ = await anthropic_text(whole_url)
+        cfg = config.parse({"auth": {"mode": "open"}, "backends": [
+            {"name": n, "type": "anthropic", "base_url": u + "/v1", "models": ["m"],
+             "continuation": "prefill"} for n, u in (("cut", cut_url), ("whole", whole_url))]},
+            env={})
+        async with serve_app(build_app(cfg)) as base:
+            got, got_usage, kinds = await anthropic_text(base)
+            assert got == unbroken and len(unbroken) > 20
+            assert kinds.count("message_start") == 1 and kinds.count("content_block_start") == 1
+            assert (got_usage.input_tokens, got_usage.output_tokens) == \
+                (usage.input_tokens, usage.output_tokens)
+            assert await metric(base, "slogate_continuations_total") == {("whole", "ok"): 1}
+        [req] = [r for r in await sim_requests(whole_url) if r["path"] == "/v1/messages"][-1:]
+        prefill = req["body"]["messages"][-1]
+        assert prefill["role"] == "assistant" and prefill["content"] == prefill["content"].rstrip()
+        assert unbroken.startswith(prefill["content"]) and req["body"]["max_tokens"] == 24 - 5
