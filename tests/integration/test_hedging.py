@@ -195,3 +195,31 @@ def test_the_class_setting_is_checked() -> None:
         gw({"a": "http://127.0.0.1:9"}, hedge_after_ms="soon")
     with pytest.raises(config.ConfigError, match="hedge_budget"):
         gw({"a": "http://127.0.0.1:9"}, retry={"hedge_budget": 2})
+
+
+async def test_a_messages_stream_races_too_through_the_anthropic_sdk() -> None:
+    from anthropic import AsyncAnthropic
+
+    async def answer(base: str) -> str:
+        client = AsyncAnthropic(base_url=base, api_key="k", max_retries=0)
+        try:
+            async with client.messages.stream(model="m", max_tokens=16,
+                                              messages=REQUEST["messages"]) as s:
+                return "".join([t async for t in s.text_stream])
+        finally:
+            await client.close()
+
+    slow, fast = build_sim(SimConfig(stall_ms=3000, **FAST)), build_sim(SimConfig(**FAST))
+    async with serve_app(slow) as slow_url, serve_app(fast) as fast_url:
+        unraced = await answer(fast_url)
+        cfg = config.parse({"auth": {"mode": "open"}, "slo_classes": [
+            {"name": "chat", "ttft_ms": 500, "tpot_ms": 100, "hedge_after_ms": 100}],
+            "retry": {"hedge_budget": 1.0}, "backends": [
+                {"name": n, "type": "anthropic", "base_url": u + "/v1", "models": ["m"]}
+                for n, u in (("slow", slow_url), ("fast", fast_url))]}, env={})
+        async with serve_app(build_app(cfg)) as base:
+            t0 = time.monotonic()
+            assert await answer(base) == unraced and unraced
+            assert time.monotonic() - t0 < 2.0
+            assert await counters(base, "slogate_hedges_total", "slo_class", "result") == {
+                ("chat", "won"): 1}
