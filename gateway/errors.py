@@ -155,14 +155,19 @@ class AttemptFailed(Exception):
 
 
 class StreamBroken(Exception):
-    """A committed stream could not complete (cut, stalled, an event over the limit) and the
+    """A committed stream could not complete (cut, stalled, an event over the limit, an error
+    event from the backend) and the
     answer so far could be continued elsewhere: the proxy decides whether it is, or ends the
     stream with this error event in the client's format."""
 
-    def __init__(self, result: str, reason: str, outcome: str, message: str, code: str) -> None:
+    def __init__(self, result: str, reason: str, outcome: str, message: str, code: str,
+                 said: bytes = b"") -> None:
         super().__init__(message)
         self.result = result  # the attempt's result (upstream_attempts_total{result})
         self.reason, self.outcome, self.message, self.code = reason, outcome, message, code
+        # What the upstream itself said to end it (its error event and what followed), held
+        # back from the client: the stream ends with it if it is not continued.
+        self.said = said
 
     def as_record(self) -> StreamBroken:
         """Plain data, as AttemptFailed.as_record: no frames kept."""

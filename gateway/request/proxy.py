@@ -71,7 +71,7 @@ from gateway.request.hedge import (
     Hedging,
     Race,
 )
-from gateway.request.relay import Relay, end_with_error
+from gateway.request.relay import Relay, end_as_said, end_with_error
 from gateway.telemetry.tracing import CAPTURE_LIMIT
 from gateway.timeline import now_ns
 from gateway.transport import client as upstream
@@ -349,7 +349,10 @@ class Proxy:
                    for m in (served, *self.cfg.fallbacks.get(ex.model or "", ())))
 
     async def _end_broken(self, ex: Exchange, broken: StreamBroken) -> web.StreamResponse:
-        """No continuation: the stream ends with the error event it would have had."""
+        """No continuation: the stream ends with the error event it would have had (the
+        upstream's own, when it ended it with one)."""
+        if broken.said:
+            return await end_as_said(ex, broken.said)
         return await end_with_error(ex, self._api(ex), broken.reason, broken.outcome,
                                     broken.message, broken.code)
 

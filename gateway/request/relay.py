@@ -103,7 +103,8 @@ class Splicer:
     keeps the start of an incomplete event back (up to HOLD_LIMIT). No I/O."""
 
     __slots__ = ("ex", "api", "route", "parser", "pending", "drop_lf", "partial_out", "capture",
-                 "captured", "shape", "shape_tries", "kept", "splice")
+                 "captured", "shape", "shape_tries", "kept", "splice", "held_error",
+                 "held_flooded")
 
     def __init__(self, ex: Exchange, api: Api, capture: list[str] | None = None,
                  max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
@@ -125,10 +126,20 @@ class Splicer:
         # every event is read); one that continues another has its events rewritten.
         self.kept = ex.streamed_text
         self.splice = splice
+        # Such a stream's backend error after its first token, and what followed, held back
+        # from the client (None: none): another backend may finish the answer instead.
+        self.held_error: bytearray | None = None
+        self.held_flooded = False
 
     def feed(self, chunk: bytes, t: int) -> bytes:
         if self.splice is not None:
             return self._feed_spliced(chunk, t)
+        if self.held_error is not None:  # still parsed: its end is the attempt's
+            self.held_error += chunk
+            for ev in self.parser.feed(chunk):
+                self.ex.t_last_event = t
+                self._observe(ev, t)
+            return b""
         ex = self.ex
         parser = self.parser
         if not self.pending and not self.drop_lf:
@@ -143,6 +154,9 @@ class Splicer:
                 ex.t_last_event = t
                 self.partial_out = False
                 info = self._observe(SSEEvent(None, data, 0, len(chunk)), t)
+                if self.holding():
+                    self._hold(chunk)
+                    return b""
                 return b"" if info.usage_only and ex.usage_injected else chunk
         lf_owed, self.drop_lf = self.drop_lf, False
         events = parser.feed(chunk)
@@ -150,6 +164,7 @@ class Splicer:
         base = len(pending)
         buf = pending + chunk if base else chunk
         drops: list[tuple[int, int]] | None = None
+        hold_at: int | None = None
         if events:
             ex.t_last_event = t
             drop_usage = ex.usage_injected
@@ -159,12 +174,22 @@ class Splicer:
                     ex.event_seen(shape.info, t)
                     continue
                 info = self._observe(ev, t)
+                if self.holding():
+                    if hold_at is None:  # this error and the rest of the read are held
+                        hold_at = ev.start + base if ev.start >= 0 else 0
+                    continue
                 if info.usage_only and drop_usage:
                     start = ev.start + base if ev.start >= 0 else 0
                     end = ev.end + base
                     (drops := drops or []).append((start, end))
                     if end == len(buf) and parser.skip_lf:
                         self.drop_lf = True
+        if hold_at is not None:
+            self._hold(buf[hold_at:])
+            self.pending = b""
+            self.partial_out = False
+            out = splice(buf, drops, hold_at)
+            return out[1:] if lf_owed and out[:1] == b"\n" else out
         hold_from = parser.hold_from
         if hold_from is None:  # the read ended on an event boundary
             cut = len(buf)
@@ -179,6 +204,20 @@ class Splicer:
         if lf_owed and out[:1] == b"\n":
             out = out[1:]
         return out
+
+    def holding(self) -> bool:
+        """Is a backend error being held back (mypy: `_observe` may start it mid-read)?"""
+        return self.held_error is not None
+
+    def _hold(self, data: bytes) -> None:
+        """Bounded: past HOLD_LIMIT (an upstream that floods after its error) nothing is
+        kept, and the stream ends with the gateway's own error event if it is not continued."""
+        held = self.held_error
+        assert held is not None
+        if len(held) + len(data) > HOLD_LIMIT:
+            self.held_flooded = True
+        elif not self.held_flooded:
+            held += data
 
     def _feed_spliced(self, chunk: bytes, t: int) -> bytes:
         """A continuation's reads: only whole events go out, each rewritten as the client's
@@ -208,6 +247,10 @@ class Splicer:
         then no more shapes (some providers pad every chunk differently)."""
         info = self.api.observe(ev, self.route)
         self.ex.event_seen(info, t)
+        if (info.error_type is not None and self.kept is not None and self.splice is None
+                and self.ex.t_first_token and self.held_error is None
+                and not failures.request_error_type(info.error_type)):
+            self.held_error = bytearray()  # the caller holds this event and what follows
         if self.kept is not None and info.token:
             said = self.api.continuation_text(ev)
             if said is None:  # reasoning, a tool call: no prefill can carry it on
@@ -357,9 +400,10 @@ class Relay:
         decided here (a client that leaves from now on did not cancel it). The upstream has
         TERMINAL_GRACE_S to end its body, as it should at once."""
         ex = self.ex
-        if ex.error_type:  # an in-band error followed by [DONE] (vLLM) is still a failure
-            ex.interruption = "upstream_error"
-        ex.finish(UPSTREAM_ERROR if ex.error_type else OK)
+        if self.splicer.held_error is None:  # (a held error's end is decided by the proxy)
+            if ex.error_type:  # an in-band error followed by [DONE] (vLLM) is still a failure
+                ex.interruption = "upstream_error"
+            ex.finish(UPSTREAM_ERROR if ex.error_type else OK)
         self.linger = asyncio.get_running_loop().call_later(
             TERMINAL_GRACE_S, self._finish, _LINGERED, False)
 
@@ -502,6 +546,12 @@ class Relay:
             ex.error_type = "upstream_connection_lost"
         except EventTooLarge as e:
             return await self._too_large(e)
+        held = self.splicer.held_error
+        if held is not None:  # the backend's error after the first token: another may go on
+            raise StreamBroken(ATTEMPT_IN_BAND_ERROR, ex.error_type or UPSTREAM_ERROR,
+                               UPSTREAM_ERROR, "The upstream ended the stream with an error.",
+                               ex.error_type or UPSTREAM_ERROR,
+                               said=b"" if self.splicer.held_flooded else bytes(held))
         if ex.done or complete_at_eof(ex, self.choices):
             if not self._commit():
                 raise deadline_failure(ATTEMPT_HEDGE_LOST)
@@ -570,5 +620,17 @@ async def end_with_error(ex: Exchange, api: Api, reason: str, outcome: str, mess
     client = ex.response
     assert client is not None, "committed"
     await write(client, api.stream_error_event(message, code or reason, ex.events))
+    await write_eof(client)
+    return client
+
+
+async def end_as_said(ex: Exchange, said: bytes) -> web.StreamResponse:
+    """End a committed stream with what the upstream itself said to end it (its error event,
+    held back while another backend might have finished the answer)."""
+    ex.interruption = UPSTREAM_ERROR
+    ex.finish(UPSTREAM_ERROR)
+    client = ex.response
+    assert client is not None, "committed"
+    await write(client, said)
     await write_eof(client)
     return client

@@ -183,3 +183,34 @@ async def test_a_messages_stream_is_continued_by_an_anthropic_prefill_exactly() 
         prefill = req["body"]["messages"][-1]
         assert prefill["role"] == "assistant" and prefill["content"] == prefill["content"].rstrip()
         assert unbroken.startswith(prefill["content"]) and req["body"]["max_tokens"] == 24 - 5
+
+
+async def test_a_backend_error_after_the_first_tokens_is_continued_and_never_reaches_the_client(
+        ) -> None:
+    err, whole = build_sim(SimConfig(error_after=5, **FAST)), build_sim(SimConfig(**FAST))
+    async with serve_app(err) as err_url, serve_app(whole) as whole_url:
+        unbroken = await stream(whole_url)
+        async with serve_app(build_app(gw({"err": err_url, "whole": whole_url},
+                                          prefill={"whole"}))) as base:
+            got = await stream(base)  # the SDK would raise on the error event
+            assert got.text == unbroken.text and got.finish == unbroken.finish
+            assert await metric(base, "slogate_upstream_attempts_total") == {
+                ("err", "in_band_error"): 1, ("whole", "ok"): 1}
+
+
+async def test_when_no_continuation_succeeds_the_stream_ends_with_the_backends_own_error(
+        ) -> None:
+    # the backend asked to continue refuses the prefill: the client gets the first backend's
+    # error event, held back meanwhile, as that backend sent it
+    err, refuses = build_sim(SimConfig(error_after=5, **FAST)), \
+        build_sim(SimConfig(continuation=False, **FAST))
+    async with serve_app(err) as err_url, serve_app(refuses) as refuses_url:
+        with pytest.raises(openai.APIError) as direct:
+            await stream(err_url)
+        async with serve_app(build_app(gw({"err": err_url, "refuses": refuses_url},
+                                          prefill={"refuses"}))) as base:
+            with pytest.raises(openai.APIError) as through:
+                await stream(base)
+            assert through.value.message == direct.value.message  # its words, as it sent them
+            assert await metric(base, "slogate_continuations_total") == {
+                ("refuses", "http_400"): 1}
