@@ -249,7 +249,8 @@ class ConsoleRecorder:
                 "class": cls, "verdict": ctx.verdict, "outcome": ctx.outcome,
                 "status": ctx.status, "backend": ctx.backend, "model": ctx.model_label,
                 "route": ctx.route, "e2e_ms": round(e2e_ns / 1e6, 2), "at": now,
-                "tenant": ctx.tenant}
+                "tenant": ctx.tenant, "hedge": ctx.hedge,
+                "continued_from_token": list(ctx.continued_from)}
 
     # -- read side: a browser asks ------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:

@@ -49,6 +49,7 @@ def fake_ctx(i: int = 0, *, ttft_ms: float = 100, decode_ms: float = 200, tokens
         request_id=f"req-{i}", trace=SimpleNamespace(trace_id=f"{i:032x}"),
         slo=SimpleNamespace(name=cls), verdict=verdict, outcome="ok", status=200,
         backend="sim", model_label="m", route="/v1/chat/completions", tenant=None,
+        hedge=None, continued_from=(),
         t_received=t0, t_dispatched=sent, t_sent=sent,
         t_connect_start=sent if connect_ms else 0,
         t_connect_end=sent + int(connect_ms * MS) if connect_ms else 0,

@@ -1,7 +1,7 @@
 // slogate console: renders the snapshot pushed by /console/events. No framework, no build.
 "use strict";
 const STAGES = ["gateway_queue", "retries", "connect", "engine_queue", "prefill", "first_token", "decode"];
-const STAGE_LABEL = {gateway_queue: "gateway queue", retries: "failed attempts", connect: "connect",
+const STAGE_LABEL = {gateway_queue: "gateway queue", retries: "earlier attempts", connect: "connect",
   engine_queue: "engine queue", prefill: "prefill", first_token: "first token (wait)", decode: "decode"};
 const $ = (sel, root) => (root || document).querySelector(sel);
 const el = (tag, attrs, ...kids) => {
@@ -110,7 +110,9 @@ function renderWaterfall(s) {
         style: `left:${left}%;width:${width}%;background:var(--${st.stage})`}));
     }
     const id = el("div", {class: "wf-id"}, el("div", {text: r.request_id}),
-      el("div", {class: "trace", text: `trace ${r.trace_id || "–"} · ${r.class} · ${r.backend || "no backend"} · ${r.verdict || r.outcome}`}));
+      el("div", {class: "trace", text: `trace ${r.trace_id || "–"} · ${r.class} · ${r.backend || "no backend"} · ${r.verdict || r.outcome}` +
+        (r.hedge ? ` · first-token race ${r.hedge}` : "") +
+        (r.continued_from_token && r.continued_from_token.length ? ` · continued at token ${r.continued_from_token.join(", ")}` : "")}));
     box.append(el("div", {class: "wf-row", "data-request-id": r.request_id, "data-trace-id": r.trace_id || ""},
       id, track, el("div", {class: "wf-total", text: `${fmt(r.e2e_ms)} ms`})));
   }
