@@ -15,7 +15,7 @@ import logging
 import re
 import resource
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,16 @@ GOOD = {"model": "m", "stream": True, "max_tokens": 30, "seed": 3,
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def raw_config(evil_url: str, sim_url: str, **server_keys: Any) -> dict[str, Any]:
+def raw_config(evil_url: str, sim_url: str,
+               raw: tuple[str, list[str], list[str]] | None = None,
+               **server_keys: Any) -> dict[str, Any]:
+    """The hostile upstream and the simulator; with `raw` (a RawUpstream's URL, its models and
+    those of them the simulator serves too), that upstream as well, and the simulator as a
+    second replica, `spare`, listed after it: the first attempt goes to the raw upstream, a
+    failover to the simulator."""
+    more = [] if raw is None else [
+        {"name": "raw", "base_url": raw[0] + "/v1", "models": raw[1]},
+        {"name": "spare", "base_url": sim_url + "/v1", "models": raw[2] or ["none"]}]
     return {
         "auth": {"mode": "keys", "keys": [{"tenant": "t",
                                            "sha256": hashlib.sha256(KEY.encode()).hexdigest()}]},
@@ -53,28 +62,40 @@ def raw_config(evil_url: str, sim_url: str, **server_keys: Any) -> dict[str, Any
             {"name": "evil", "base_url": evil_url + "/v1", "models": HOSTILE_MODELS,
              "api_key_env": "SLOGATE_TEST_EVIL_KEY"},
             {"name": "sim", "base_url": sim_url + "/v1", "models": ["m"]},
+            *more,
         ],
     }
 
 
 @contextlib.asynccontextmanager
-async def stack(monkeypatch, **server_keys: Any) -> AsyncIterator[tuple[str, Any, Any]]:
-    """Trap, hostile upstream, simulator and the gateway (its real listener), in-process.
-    Yields (gateway URL, the site, the hostile upstream app)."""
+async def stack(monkeypatch, raw: hostile.RawUpstream | None = None,
+                spare: Sequence[str] | None = None,
+                **server_keys: Any) -> AsyncIterator[tuple[str, Any, Any]]:
+    """Trap, hostile upstream, simulator and the gateway (its real listener), in-process; with
+    `raw`, that upstream too, for its models, with the simulator as the second replica of
+    those in `spare` (default: all of them; raw_config). Yields (gateway URL, the site, the
+    hostile upstream app)."""
     monkeypatch.setenv("SLOGATE_TEST_EVIL_KEY", UPSTREAM_KEY)
     trap = hostile.trap_app()
-    async with serve_app(trap) as trap_url:
+    async with contextlib.AsyncExitStack() as up:
+        trap_url = await up.enter_async_context(serve_app(trap))
         evil = hostile.hostile_app(trap_url)
         evil[hostile.TRAP] = trap
-        async with serve_app(evil) as evil_url, \
-                serve_app(build_sim(SimConfig(decode_base_ms=2, decode_per_seq_ms=0))) as sim_url:
-            cfg = config.parse(raw_config(evil_url, sim_url, **server_keys), env={})
-            app = server.build_app(cfg)
-            runner, site = await server.start(app, cfg, "127.0.0.1", 0)
-            try:
-                yield f"http://127.0.0.1:{site.bound_port}", site, evil
-            finally:
-                await runner.cleanup()
+        evil_url = await up.enter_async_context(serve_app(evil))
+        sim_url = await up.enter_async_context(
+            serve_app(build_sim(SimConfig(decode_base_ms=2, decode_per_seq_ms=0))))
+        raw_at = None
+        if raw is not None:
+            models = list(raw.answers)
+            raw_at = (await up.enter_async_context(hostile.serve_raw(raw)), models,
+                      models if spare is None else list(spare))
+        cfg = config.parse(raw_config(evil_url, sim_url, raw_at, **server_keys), env={})
+        app = server.build_app(cfg)
+        runner, site = await server.start(app, cfg, "127.0.0.1", 0)
+        try:
+            yield f"http://127.0.0.1:{site.bound_port}", site, evil
+        finally:
+            await runner.cleanup()
 
 
 async def until(cond, timeout: float = 10.0, what: str = "condition") -> None:
