@@ -573,6 +573,10 @@ class Proxy:
             raise AttemptFailed(limits.UPSTREAM_REDIRECT, 502, f"Backend '{replica.name}' "
                                 f"answered {up.status} (a redirect); the gateway does not "
                                 "follow redirects.", limits.UPSTREAM_REDIRECT)
+        if up.status == 101:  # the connection now speaks another protocol: closed, not pooled
+            raise AttemptFailed(limits.UPSTREAM_UPGRADE, 502, f"Backend '{replica.name}' "
+                                "answered 101 Switching Protocols; the gateway relays HTTP "
+                                "answers only.", limits.UPSTREAM_UPGRADE)
         if up.status in self.retry.statuses:
             raise await self._retryable_status(ex, up)
         return up

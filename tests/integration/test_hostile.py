@@ -293,6 +293,34 @@ async def test_redirect_is_not_followed(monkeypatch) -> None:
         assert await metric(s, gw, "slogate_limits_exceeded_total", "upstream_redirect") >= 1
 
 
+# -- upstream answers that no HTTP server library would send ---------------------------------------
+
+SSE = [("Content-Type", "text/event-stream")]
+JSON_OK = hostile.http_answer(200, [("Content-Type", "application/json"), ("Content-Length", "2")],
+                              b"{}")
+UPGRADE = hostile.http_answer(101, [("Upgrade", "websocket"), ("Connection", "Upgrade")],
+                              b"\x81\x05hello")  # and then another protocol's bytes
+
+
+async def test_an_upstream_101_is_a_failed_attempt_and_its_connection_is_closed(
+        monkeypatch) -> None:
+    """101 Switching Protocols is never relayed: a failed attempt (502 upstream_upgrade once
+    attempts run out), and the connection it came on is closed, never pooled."""
+    raw = hostile.RawUpstream({"upgrade": [UPGRADE], "ok": [JSON_OK]})
+    async with stack(monkeypatch, raw, spare=[]) as (gw, site, _), aiohttp.ClientSession() as s:
+        async with s.post(gw + "/v1/chat/completions", headers=AUTH,
+                          json={"model": "upgrade", "stream": True}) as r:
+            assert r.status == 502
+            err = (await r.json())["error"]
+            assert err["code"] == limits.UPSTREAM_UPGRADE and "101" in err["message"]
+        await until(lambda: raw.closed == [1, 2, 3], what="every 101 connection closed")
+        async with s.post(gw + "/v1/chat/completions", headers=AUTH, json={"model": "ok"}) as r:
+            assert r.status == 200
+        # three attempts on three connections, and the next request on a fourth
+        assert raw.requests == [(1, "upgrade"), (2, "upgrade"), (3, "upgrade"), (4, "ok")]
+        assert await metric(s, gw, "slogate_limits_exceeded_total", "upstream_upgrade") == 3
+
+
 # -- upstream sizes --------------------------------------------------------------------------------
 
 async def test_decompression_bomb_is_refused(monkeypatch) -> None:
