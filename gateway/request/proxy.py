@@ -39,6 +39,7 @@ from gateway.errors import (
     FIRST_TOKEN,
     GATEWAY_ERROR,
     IDLE,
+    INVALID_RESPONSE,
     OK,
     SHUTDOWN,
     TIMEOUT,
@@ -51,6 +52,7 @@ from gateway.errors import (
     RateLimited,
     ResponseTooLarge,
     StreamBroken,
+    UpstreamInvalid,
     UpstreamLost,
     UpstreamUnreachable,
     deadline_failure,
@@ -563,6 +565,10 @@ class Proxy:
         except UpstreamUnreachable as e:
             raise AttemptFailed(CONNECT_ERROR, 502, f"Backend '{replica.name}' is unreachable: "
                                 f"{e}.", "upstream_unreachable", cause=str(e)) from None
+        except UpstreamInvalid as e:  # another replica may answer in HTTP
+            code = limits.HEADERS_TOO_LARGE if e.too_large else INVALID_RESPONSE
+            raise AttemptFailed(code, 502, f"Backend '{replica.name}' sent an answer the "
+                                f"gateway cannot read: {e}.", code, cause=str(e)) from None
         finally:
             CONNECTING.reset(connecting)
         attempt.response = up

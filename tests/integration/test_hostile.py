@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import openai
 import orjson
 import pytest
 
@@ -319,6 +320,56 @@ async def test_an_upstream_101_is_a_failed_attempt_and_its_connection_is_closed(
         # three attempts on three connections, and the next request on a fourth
         assert raw.requests == [(1, "upgrade"), (2, "upgrade"), (3, "upgrade"), (4, "ok")]
         assert await metric(s, gw, "slogate_limits_exceeded_total", "upstream_upgrade") == 3
+
+
+# model -> (its answer, the attempt's result, the 502's code when no replica is left)
+UNREADABLE = {
+    "body-after-204": (hostile.http_answer(204, [("Content-Length", "0")], b"surprise"),
+                       "invalid_response", "invalid_response"),
+    "long-header": (hostile.http_answer(200, [("X-Big", "a" * 9000), *SSE]),
+                    limits.HEADERS_TOO_LARGE, limits.HEADERS_TOO_LARGE),
+    "many-headers": (hostile.http_answer(200, [(f"X-H{i}", "v") for i in range(200)]),
+                     limits.HEADERS_TOO_LARGE, limits.HEADERS_TOO_LARGE),
+    "short-body": (hostile.http_answer(200, [("Content-Type", "application/json"),
+                                             ("Content-Length", "100")], b'{"id":'),
+                   "cut", "upstream_response_truncated"),
+}
+
+
+@pytest.mark.parametrize("model", list(UNREADABLE))
+async def test_an_unreadable_upstream_answer_fails_over_and_is_a_502_when_none_is_left(
+        monkeypatch, caplog, model) -> None:
+    """A 204 with a body, headers over the parser's limits, a body shorter than its
+    Content-Length: a failed attempt that judges the backend,
+    another replica answers; with none left, a 502 that says why in the client's format. No
+    traceback, no internal error, no wait for a deadline."""
+    answer, result, code = UNREADABLE[model]
+    script = [answer]
+    close = model == "short-body"  # what makes these an answer at all
+    raw = hostile.RawUpstream({model: script, model + "-alone": script},
+                              close_after=[model, model + "-alone"] if close else ())
+    client = openai.AsyncOpenAI(base_url="", api_key=KEY, max_retries=0, timeout=10)
+    async with stack(monkeypatch, raw, spare=[model]) as (gw, site, _), \
+            aiohttp.ClientSession() as s:
+        client.base_url = gw + "/v1"
+        chunks = await client.chat.completions.create(model=model, stream=True, max_tokens=3,
+                                                      messages=[{"role": "user", "content": "x"}])
+        assert "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+        assert raw.requests == [(1, model)]  # the raw upstream first, then the spare
+        async with s.post(gw + "/v1/chat/completions", headers=AUTH,
+                          json={"model": model + "-alone", "stream": True}) as r:
+            assert r.status == 502
+            err = (await r.json())["error"]
+        assert err["code"] == code and err["message"], err
+        if code == result:  # the head could not be read: the message says which backend, why
+            assert err["message"].startswith("Backend 'raw' sent an answer"), err
+        async with s.get(gw + "/metrics") as r:
+            text = await r.text()
+        attempts = re.search(rf'slogate_upstream_attempts_total{{backend="raw",result="{result}"}}'
+                             r" (\S+)", text)
+        assert attempts and float(attempts.group(1)) == 4  # once, then three times alone
+    await client.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 # -- upstream sizes --------------------------------------------------------------------------------
