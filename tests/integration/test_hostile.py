@@ -322,7 +322,8 @@ async def test_an_upstream_101_is_a_failed_attempt_and_its_connection_is_closed(
         assert await metric(s, gw, "slogate_limits_exceeded_total", "upstream_upgrade") == 3
 
 
-# model -> (its answer, the attempt's result, the 502's code when no replica is left)
+# model -> (its answer: bytes or a script, the attempt's result, the 502's code when no replica
+# is left)
 UNREADABLE = {
     "body-after-204": (hostile.http_answer(204, [("Content-Length", "0")], b"surprise"),
                        "invalid_response", "invalid_response"),
@@ -333,6 +334,9 @@ UNREADABLE = {
     "short-body": (hostile.http_answer(200, [("Content-Type", "application/json"),
                                              ("Content-Length", "100")], b'{"id":'),
                    "cut", "upstream_response_truncated"),
+    "bad-chunk": ([hostile.http_answer(200, [*SSE, ("Transfer-Encoding", "chunked")]), 0.05,
+                   b"zz\r\nnot a chunk\r\n"],  # after the head: the body's framing breaks
+                  "closed_before_first_token", "upstream_stream_truncated"),
 }
 
 
@@ -340,12 +344,12 @@ UNREADABLE = {
 async def test_an_unreadable_upstream_answer_fails_over_and_is_a_502_when_none_is_left(
         monkeypatch, caplog, model) -> None:
     """A 204 with a body, headers over the parser's limits, a body shorter than its
-    Content-Length: a failed attempt that judges the backend,
+    Content-Length, a chunk that does not parse: a failed attempt that judges the backend,
     another replica answers; with none left, a 502 that says why in the client's format. No
     traceback, no internal error, no wait for a deadline."""
     answer, result, code = UNREADABLE[model]
-    script = [answer]
-    close = model == "short-body"  # what makes these an answer at all
+    script = [answer] if isinstance(answer, bytes) else answer
+    close = model in ("short-body", "bad-chunk")  # what makes these an answer at all
     raw = hostile.RawUpstream({model: script, model + "-alone": script},
                               close_after=[model, model + "-alone"] if close else ())
     client = openai.AsyncOpenAI(base_url="", api_key=KEY, max_retries=0, timeout=10)
