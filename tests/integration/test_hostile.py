@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import gzip
 import hashlib
 import logging
 import re
@@ -322,6 +323,16 @@ async def test_an_upstream_101_is_a_failed_attempt_and_its_connection_is_closed(
         assert await metric(s, gw, "slogate_limits_exceeded_total", "upstream_upgrade") == 3
 
 
+def _gzipped_stream(n: int) -> tuple[bytes, str]:
+    events = [b'data: {"id":"g","object":"chat.completion.chunk","created":1,"model":"m",'
+              b'"choices":[{"index":0,"delta":{"content":"w%d "},"finish_reason":null}]}\n\n'
+              % i for i in range(n)]
+    events.append(b'data: {"id":"g","object":"chat.completion.chunk","created":1,"model":"m",'
+                  b'"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+                  b"data: [DONE]\n\n")
+    return b"".join(events), "".join(f"w{i} " for i in range(n))
+
+
 # model -> (its answer: bytes or a script, the attempt's result, the 502's code when no replica
 # is left)
 UNREADABLE = {
@@ -374,6 +385,26 @@ async def test_an_unreadable_upstream_answer_fails_over_and_is_a_502_when_none_i
         assert attempts and float(attempts.group(1)) == 4  # once, then three times alone
     await client.close()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+async def test_a_gzipped_event_stream_reaches_the_client_whole(monkeypatch) -> None:
+    """An upstream that ignores `Accept-Encoding: identity` and gzips its event stream: every
+    event of the inflated stream reaches the client (the SDK reads the whole answer)."""
+    plain, text = _gzipped_stream(3000)
+    packed = gzip.compress(plain)  # ~200 KB inflated from a few KB: inflated in steps
+    raw = hostile.RawUpstream({"gzip": [hostile.http_answer(200, [
+        *SSE, ("Content-Encoding", "gzip"), ("Content-Length", str(len(packed)))], packed)]})
+    async with stack(monkeypatch, raw, spare=[]) as (gw, site, _):
+        client = openai.AsyncOpenAI(base_url=gw + "/v1", api_key=KEY, max_retries=0,
+                                    timeout=10)
+        try:
+            chunks = await client.chat.completions.create(
+                model="gzip", stream=True, messages=[{"role": "user", "content": "x"}])
+            got = [c async for c in chunks]
+        finally:
+            await client.close()
+    assert "".join(c.choices[0].delta.content or "" for c in got if c.choices) == text
+    assert got[-1].choices[0].finish_reason == "stop"
 
 
 # -- upstream sizes --------------------------------------------------------------------------------
