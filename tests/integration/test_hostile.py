@@ -429,6 +429,27 @@ async def test_event_flood_before_first_token_fails_the_attempt(monkeypatch, mod
         assert await metric(s, gw, "slogate_limits_exceeded_total", "event_too_large") == 2
 
 
+async def test_an_event_over_the_limit_after_commit_is_an_error_the_sdk_parses(monkeypatch) -> None:
+    """The error event that ends the stream starts on an event boundary: none of the event over
+    the limit went out before it, so the SDK raises the gateway's error, naming the limit
+    (not a JSON error on half an event)."""
+    async with stack(monkeypatch) as (gw, site, _):
+        client = openai.AsyncOpenAI(base_url=gw + "/v1", api_key=KEY, max_retries=0,
+                                    timeout=10)
+        texts = []
+        try:
+            chunks = await client.chat.completions.create(
+                model="flood-after", stream=True, messages=[{"role": "user", "content": "x"}])
+            with pytest.raises(openai.APIError) as caught:
+                async for c in chunks:
+                    texts.append(c.choices[0].delta.content or "")
+        finally:
+            await client.close()
+    assert "".join(texts) == "hi"
+    assert caught.value.code == limits.EVENT_TOO_LARGE
+    assert f"more than {1 << 20} bytes" in caught.value.message
+
+
 async def test_event_flood_after_commit_ends_with_an_error_event(monkeypatch) -> None:
     async with stack(monkeypatch) as (gw, site, _), aiohttp.ClientSession() as s:
         async with s.post(gw + "/v1/chat/completions", headers=AUTH,
