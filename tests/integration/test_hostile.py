@@ -190,6 +190,24 @@ async def test_kept_alive_connection_gets_the_header_deadline_and_the_idle_timeo
         await until(lambda: site.guard.open == 0)
 
 
+async def test_a_request_cut_after_a_pipelined_one_gets_408_at_the_header_deadline(
+        monkeypatch) -> None:
+    """A whole request and the start of the next in one packet: the next one's headers are
+    awaited from then on, and get the 408 at the header deadline, not the idle timeout."""
+    async with stack(monkeypatch, header_timeout_s=0.5, idle_connection_timeout_s=30) \
+            as (gw, site, _), aiohttp.ClientSession() as s:
+        r, w = await asyncio.open_connection("127.0.0.1", port_of(gw))
+        t0 = asyncio.get_running_loop().time()
+        w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET /heal")
+        assert hostile.status_of(await read_response(r)) == 200
+        rest = await asyncio.wait_for(r.read(), 5)
+        assert hostile.status_of(rest) == 408
+        assert asyncio.get_running_loop().time() - t0 < 3
+        w.close()
+        assert await metric(s, gw, "slogate_connections_rejected_total", "header_timeout") == 1
+        await until(lambda: site.guard.open <= 1)
+
+
 @pytest.mark.parametrize("keys,reason", [
     ({"max_connections": 3, "max_connections_per_client": 0}, "max_connections"),
     ({"max_connections": 100, "max_connections_per_client": 3}, "max_connections_per_client"),
