@@ -15,7 +15,10 @@ import hashlib
 import logging
 import re
 import resource
+import selectors
+import socket
 import tempfile
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,7 @@ from gateway.ops import server
 from gateway.request.relay import Relay, Splicer
 from tests.support import hostile
 from tests.support.procs import slogate
+from tests.support.prometheus_server import free_port
 from tests.support.servers import serve_app
 
 KEY = "gw-test-key-0123456789"
@@ -227,6 +231,56 @@ async def test_connections_over_the_cap_get_503_and_close(monkeypatch, keys, rea
         await until(lambda: site.guard.open == 0)
         async with aiohttp.ClientSession() as s, s.get(gw + "/healthz") as r:
             assert r.status == 200
+
+
+def connected_at_once(port: int, n: int, wait_s: float = 0.5) -> int:
+    """Open `n` connections at once, synchronously (the event loop, and so the gateway, accepts
+    none meanwhile): how many the kernel completed within `wait_s` — each one whose handshake
+    put it in the listener's accept queue."""
+    socks: list[socket.socket] = []
+    sel = selectors.DefaultSelector()
+    try:
+        for _ in range(n):
+            sock = socket.socket()
+            socks.append(sock)
+            sock.setblocking(False)
+            sock.connect_ex(("127.0.0.1", port))
+            sel.register(sock, selectors.EVENT_WRITE)
+        done = 0
+        deadline = time.monotonic() + wait_s
+        while done < n and (left := deadline - time.monotonic()) > 0:
+            for key, _ in sel.select(left):
+                sel.unregister(key.fileobj)
+                done += key.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
+        return done
+    finally:
+        sel.close()
+        for sock in socks:
+            sock.close()
+
+
+async def test_a_burst_of_new_connections_connects_at_once_on_every_listener() -> None:
+    """[server] backlog (4096 by default) reaches every listener: 500 connections opened at
+    once, none accepted yet, all connect, to the main and to the admin listener. With
+    aiohttp's default backlog of 128 the kernel drops the SYNs past the accept queue's
+    129th, and those connections wait for its 1 s retransmit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    cfg = config.parse({"auth": {"mode": "open"},
+                        "server": {"access_log": False, "admin_port": free_port()},
+                        "backends": [{"name": "a", "base_url": "http://127.0.0.1:9/v1"}]},
+                       env={})
+    app = server.build_app(cfg)
+    runner, site = await server.start(app, cfg, "127.0.0.1", 0)
+    admin_runner, admin_site = await server.start_admin(app, cfg)
+    try:
+        for port in (site.bound_port, admin_site.bound_port):
+            assert connected_at_once(port, 500) == 500, port
+            await until(lambda: site.guard.open == admin_site.guard.open == 0)
+    finally:
+        await admin_runner.cleanup()
+        await runner.cleanup()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 async def test_body_that_never_arrives_gets_408(monkeypatch) -> None:
