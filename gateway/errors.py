@@ -35,6 +35,7 @@ SHUTDOWN = "shutdown"
 # -- results of one upstream attempt (upstream_attempts_total{result}); http_<status> too -------
 ATTEMPT_OK = "ok"  # the answer reached the client complete
 CONNECT_ERROR = "connect_error"
+INVALID_RESPONSE = "invalid_response"  # an answer that is not HTTP/1.1 (a body after a 204...)
 CLOSED_BEFORE_FIRST_TOKEN = "closed_before_first_token"
 # ... and of an attempt that reached the client but did not complete (after commit)
 ATTEMPT_CUT = "cut"  # the upstream closed or lost the stream before its end
@@ -187,6 +188,16 @@ class UpstreamUnreachable(Exception):
 class UpstreamLost(Exception):
     """The upstream's connection was lost (reset, closed mid-chunk, timed out) in the middle
     of its response body."""
+
+
+class UpstreamInvalid(Exception):
+    """The upstream's response head cannot be read: not HTTP/1.1 (a body after a 204, a status
+    line that does not parse) or, `too_large`, over the parser's limits. The message says
+    which in words, quoting nothing the upstream sent."""
+
+    def __init__(self, message: str, too_large: bool = False) -> None:
+        super().__init__(message)
+        self.too_large = too_large
 
 
 class ConfigError(Exception):

@@ -40,7 +40,12 @@ from gateway.admission import engine_metrics
 from gateway.admission.estimator import ReplicaEstimator, TokenCalibration
 from gateway.admission.fairness import FairQueue
 from gateway.admission.limits import AdaptiveLimit
-from gateway.admission.quotas import DEFAULT_OUTPUT_TOKENS, Reservation, TenantQuotas
+from gateway.admission.quotas import (
+    DEFAULT_OUTPUT_TOKENS,
+    Reservation,
+    TenantQuotas,
+    charged_tokens,
+)
 from gateway.admission.shed_log import ShedLog
 from gateway.config import OPEN_POLICY, AdmissionConfig, TenantPolicy
 from gateway.errors import (
@@ -252,13 +257,10 @@ class Ticket:
         self.ctrl.learn(self, ctx, decoding_end)
         self.ctrl.release_shared(self)
         if self.reservation is not None:
-            used = ((ctx.prompt_tokens or 0) + (ctx.completion_tokens or 0)
-                    if ctx.prompt_tokens is not None or ctx.completion_tokens is not None
-                    else None)
             if ctx.outcome != OK and not ctx.t_sent:
                 self.ctrl.quotas.give_back(self.reservation)
             else:
-                self.ctrl.quotas.finished(self.reservation, used)
+                self.ctrl.quotas.finished(self.reservation, charged_tokens(ctx, self.tokens))
         self.ctrl.wake()
 
 

@@ -9,8 +9,10 @@ Requests per minute: a bucket of `requests_per_minute` refilled continuously; a 
 one when it reaches admission and gets it back if admission sheds it (a request the gateway
 refused did not use the tenant's capacity). Tokens per minute: the same bucket over prompt +
 completion tokens; admission reserves an estimate (the prompt's estimated tokens + the request's
-max_tokens, or DEFAULT_OUTPUT_TOKENS) and `settle` gives back or takes the difference once the
-answer's usage is known (which may leave the bucket in debt: the next request waits for it).
+max_tokens, or DEFAULT_OUTPUT_TOKENS) and `finished` gives back or takes the difference once the
+answer's usage is known (which may leave the bucket in debt: the next request waits for it). A
+request that got no completion and no usage (the upstream refused it, or it failed or was
+cancelled before its first token) is charged its prompt as estimated (`charged_tokens`).
 
 With Redis (`[admission] redis_url`) the buckets and the in-flight count are global across
 gateways (atomic scripts in admission/shared.py); when Redis is unreachable each gateway
@@ -26,10 +28,11 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.config import TenantPolicy
 from gateway.errors import (
+    OK,
     QUOTA_IN_FLIGHT,
     QUOTA_QUEUED,
     QUOTA_REQUESTS,
@@ -37,6 +40,9 @@ from gateway.errors import (
     RateLimited,
     RateLimits,
 )
+
+if TYPE_CHECKING:
+    from gateway.exchange import Exchange
 
 DEFAULT_OUTPUT_TOKENS = 256
 IN_FLIGHT_PREFIX = "tenant:"  # a tenant's in-flight count in the shared state
@@ -67,6 +73,19 @@ class Bucket:
             return False, self.value
         self.value = min(self.capacity, self.value - cost)
         return True, self.value
+
+
+def charged_tokens(ex: Exchange, prompt_estimate: float) -> int | None:
+    """What a finished request's tokens-per-minute reservation is settled against: the usage
+    it reported (prompt + completion); for one that got no completion and reported nothing
+    (an upstream 4xx, a failure or cancellation before its first token), its prompt as
+    admission estimated it — the engine may have read it, and the reservation for its output
+    comes back; None (unknown: a whole answer without usage) leaves the reservation."""
+    if ex.prompt_tokens is not None or ex.completion_tokens is not None:
+        return (ex.prompt_tokens or 0) + (ex.completion_tokens or 0)
+    if ex.outcome != OK and not ex.token_events:
+        return math.ceil(prompt_estimate)
+    return None
 
 
 @dataclass

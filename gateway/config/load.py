@@ -286,6 +286,7 @@ def _server(table: Any) -> ServerConfig:
         max_connections=_count("server", table, "max_connections", d.max_connections, 1),
         max_connections_per_client=_count("server", table, "max_connections_per_client",
                                           d.max_connections_per_client, 0),
+        backlog=_count("server", table, "backlog", d.backlog, 1),
         max_event_bytes=_count("server", table, "max_event_bytes", d.max_event_bytes, 1024),
         max_response_bytes=_count("server", table, "max_response_bytes", d.max_response_bytes,
                                   1024),

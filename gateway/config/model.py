@@ -39,6 +39,10 @@ class ServerConfig:
     idle_connection_timeout_s: float = 75.0
     max_connections: int = 4096
     max_connections_per_client: int = 256
+    # Connections the kernel completes and queues before the gateway accepts them, on every
+    # listener (aiohttp's default of 128 loses SYNs in a burst of new connections: each waits
+    # for a 1 s retransmit). The kernel caps it at net.core.somaxconn.
+    backlog: int = 4096
     # Upstream limits (hostile upstreams): one SSE event, and what is held before the first
     # token, at most max_event_bytes; a non-streamed answer at most max_response_bytes
     # (decompressed).

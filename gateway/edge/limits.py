@@ -26,8 +26,12 @@ EVENT_TOO_LARGE = "event_too_large"  # an upstream SSE event (or bytes before th
 RESPONSE_TOO_LARGE = "response_too_large"  # a non-streamed upstream body (decompressed) over
 #                                            server.max_response_bytes
 UPSTREAM_REDIRECT = "upstream_redirect"  # an upstream answered 3xx (never followed)
+UPSTREAM_UPGRADE = "upstream_upgrade"  # an upstream answered 101 Switching Protocols (never
+#                                        relayed, its connection closed)
+HEADERS_TOO_LARGE = "upstream_headers_too_large"  # upstream response headers over the parser's
+#                                                   limits (a line over 8190 bytes, 128 lines)
 LIMITS = (BODY_TIMEOUT, REQUEST_TOO_LARGE, STRING_TOO_LONG, EVENT_TOO_LARGE, RESPONSE_TOO_LARGE,
-          UPSTREAM_REDIRECT)
+          UPSTREAM_REDIRECT, UPSTREAM_UPGRADE, HEADERS_TOO_LARGE)
 LIMIT_SET = frozenset(LIMITS)
 
 # slogate_connections_rejected_total{reason}

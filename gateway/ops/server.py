@@ -225,7 +225,8 @@ async def _listen(app: web.Application, cfg: Config, host: str, port: int,
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, **kwargs,
                            **listener.runner_kwargs(cfg.server))
     await runner.setup()
-    site = GuardedSite(runner, host, port, guard, reuse_port=reuse_port)
+    site = GuardedSite(runner, host, port, guard, reuse_port=reuse_port,
+                       backlog=cfg.server.backlog)
     try:
         await site.start()
     except OSError as e:  # one line for the user, and no unclosed upstream sessions

@@ -39,7 +39,7 @@ from gateway.errors import (
     AttemptFailed,
     EventTooLarge,
 )
-from gateway.request.relay import Splicer, complete_at_eof
+from gateway.request.relay import Replay, Splicer, complete_at_eof
 from gateway.timeline import now_ns
 from gateway.transport.wire import UpstreamBody
 
@@ -69,8 +69,7 @@ class Handover:
     fork: Exchange
     attempt: Attempt
     up: UpstreamResponse
-    body: UpstreamBody
-    recorded: list[tuple[bytes, int]]
+    replay: Replay
 
 
 class Race:
@@ -135,26 +134,32 @@ class FirstTokenProbe:
         self.fork = fork
         self.race = race
         self.splicer = Splicer(fork, api, None, max_event_bytes)
-        self.body = UpstreamBody(up)
-        self.recorded: list[tuple[bytes, int]] = []
+        self.replay = Replay(UpstreamBody(up))
+        self.body = self.replay.body
+        self.recorded = self.replay.reads
         self.size = 0
         self.max_bytes = max_event_bytes
         self.choices = api.choices(fork.parsed)
         self.result: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
 
     async def run(self) -> bool:
-        """True: this hedge won (the body is paused, unhooked, its reads in `recorded`);
-        False: the primary had its token first. AttemptFailed when the hedge failed."""
+        """True: this hedge won (its body paused and still hooked here: `replay` has what it
+        read, and goes on to the request's relay); False: the primary had its token first.
+        AttemptFailed when the hedge failed."""
         self.body.hook(self)
+        won = False
         try:
-            return await self.result
+            won = await self.result
+            return won
         finally:
-            self.body.unhook()
+            if not won:
+                self.body.unhook()
 
     def body_data(self, chunk: bytes) -> None:
-        if self.result.done():
-            return
         t = now_ns()
+        if self.result.done():  # won (anything else: closed, nothing more is read)
+            self.recorded.append((chunk, t))
+            return
         self.recorded.append((chunk, t))
         self.size += len(chunk)
         fork = self.fork
@@ -177,7 +182,8 @@ class FirstTokenProbe:
                                      EVENT_TOO_LARGE))
 
     def body_eof(self) -> None:
-        if self.result.done():
+        if self.result.done():  # its end, after it won: for the relay
+            self.replay.ended = True
             return
         if complete_at_eof(self.fork, self.choices) and self.fork.events:
             self._claim()
@@ -187,7 +193,9 @@ class FirstTokenProbe:
                                      "upstream_stream_truncated"))
 
     def body_error(self, exc: BaseException) -> None:
-        if not self.result.done():
+        if self.result.done():  # after it won: for the relay
+            self.replay.ended = exc
+        else:
             self._fail(AttemptFailed(ATTEMPT_CUT, 502, f"The hedge's stream was lost: {exc}",
                                      "upstream_connection_lost"))
 

@@ -40,6 +40,7 @@ from gateway.errors import (
     FIRST_TOKEN,
     GATEWAY_ERROR,
     IDLE,
+    INVALID_RESPONSE,
     OK,
     SHUTDOWN,
     TIMEOUT,
@@ -52,6 +53,7 @@ from gateway.errors import (
     RateLimited,
     ResponseTooLarge,
     StreamBroken,
+    UpstreamInvalid,
     UpstreamLost,
     UpstreamUnreachable,
     deadline_failure,
@@ -513,7 +515,7 @@ class Proxy:
         if not won:
             self._hedge_over(ex, fork, race, ATTEMPT_HEDGE_LOST, LOST)
             return None
-        return Handover(fork, attempt, up, probe.body, probe.recorded)
+        return Handover(fork, attempt, up, probe.replay)
 
     def _hedge_over(self, ex: Exchange, fork: Exchange, race: Race, result: str, outcome: str,
                     judged: bool = False, cause: str = "") -> None:
@@ -714,6 +716,10 @@ class Proxy:
         except UpstreamUnreachable as e:
             raise AttemptFailed(CONNECT_ERROR, 502, f"Backend '{replica.name}' is unreachable: "
                                 f"{e}.", "upstream_unreachable", cause=str(e)) from None
+        except UpstreamInvalid as e:  # another replica may answer in HTTP
+            code = limits.HEADERS_TOO_LARGE if e.too_large else INVALID_RESPONSE
+            raise AttemptFailed(code, 502, f"Backend '{replica.name}' sent an answer the "
+                                f"gateway cannot read: {e}.", code, cause=str(e)) from None
         finally:
             CONNECTING.reset(connecting)
         attempt.response = up
@@ -724,6 +730,10 @@ class Proxy:
             raise AttemptFailed(limits.UPSTREAM_REDIRECT, 502, f"Backend '{replica.name}' "
                                 f"answered {up.status} (a redirect); the gateway does not "
                                 "follow redirects.", limits.UPSTREAM_REDIRECT)
+        if up.status == 101:  # the connection now speaks another protocol: closed, not pooled
+            raise AttemptFailed(limits.UPSTREAM_UPGRADE, 502, f"Backend '{replica.name}' "
+                                "answered 101 Switching Protocols; the gateway relays HTTP "
+                                "answers only.", limits.UPSTREAM_UPGRADE)
         if up.status in self.retry.statuses:
             raise await self._retryable_status(ex, up)
         return up
@@ -763,8 +773,7 @@ class Proxy:
                            capture=capture,
                            max_event_bytes=self.cfg.server.max_event_bytes,
                            race=ex.race if handover is None else None,
-                           replay=None if handover is None
-                           else (handover.body, handover.recorded)).run()
+                           replay=None if handover is None else handover.replay).run()
 
     def finish(self, ex: Exchange) -> None:
         """Release what the request held (admission ticket, upstream connection: back to the

@@ -3,10 +3,11 @@
 Bytes are forwarded unchanged and in order, one write per upstream read. Two things are held:
 - before commit (policy `first_token`), everything up to the first token, so that a failure
   before it can still be retried elsewhere or answered as a clean HTTP error;
-- the bytes of an event that is not complete yet (at most HOLD_LIMIT of them). A client can do
-  nothing with half an event (SSE dispatches on the blank line), so this costs it no latency,
-  and it lets the gateway drop the usage chunk it injected and end a cut stream with an error
-  event that the client can parse.
+- the bytes of an event that is not complete yet, however long (the parser bounds an event at
+  max_event_bytes). A client can do nothing with half an event (SSE dispatches on the blank
+  line), so this costs it no latency, and it lets the gateway drop the usage chunk it injected
+  and end a cut stream, or one with an event over the limit, with an error event that the
+  client can parse: half an event sent first would be parsed with the error and break it.
 
 `Splicer` is the pure core (upstream reads in, client bytes out, the exchange's timeline
 stamped); `Relay` is the I/O around it. Deadlines are the Watchdog's business: when it fires,
@@ -16,6 +17,7 @@ stream ends with an error event in the client's API format.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
@@ -61,7 +63,12 @@ if TYPE_CHECKING:
     from gateway.request.deadlines import Watchdog
     from gateway.transport.client import UpstreamResponse
 
-HOLD_LIMIT = 64 * 1024
+# An unfinished event is kept as one bytes object (joined with each read) up to this size, and
+# as a list of reads beyond it: no copy of what is held per read.
+JOIN_LIMIT = 64 * 1024
+# A backend's error event after the first token, and what follows it, held back while another
+# backend may finish the answer: an error is small; more than this is a flood, not kept.
+ERROR_HOLD_LIMIT = 64 * 1024
 _EOF = object()  # the body's end, as the sink reports it to the coroutine
 _LINGERED = object()  # the upstream did not end its body within TERMINAL_GRACE_S of its end
 # After the protocol's terminal event the upstream should end its body at once (and its
@@ -90,6 +97,16 @@ def splice(buf: bytes, drops: list[tuple[int, int]] | None, cut: int) -> bytes:
     return b"".join(parts)
 
 
+@dataclass(slots=True)
+class Replay:
+    """A first-token race's winning hedge as its probe leaves it for the request's relay: its
+    body (paused, still hooked to the probe), its reads with their arrival times, and how the
+    body ended meanwhile, if it did (True: its end; else what failed it)."""
+    body: UpstreamBody
+    reads: list[tuple[bytes, int]] = field(default_factory=list)
+    ended: BaseException | bool | None = None
+
+
 class RaceClaim(Protocol):
     """A first-token race (request/hedge.py's Race), as the relay of its first attempt sees
     it: the commit claims it."""
@@ -100,10 +117,10 @@ class RaceClaim(Protocol):
 class Splicer:
     """Turns upstream reads into the bytes the client gets: parses events, has the API adapter
     say what each is, stamps the exchange, drops the usage chunk the gateway asked for, and
-    keeps the start of an incomplete event back (up to HOLD_LIMIT). No I/O."""
+    keeps an incomplete event back until it completes. No I/O."""
 
-    __slots__ = ("ex", "api", "route", "parser", "pending", "drop_lf", "partial_out", "capture",
-                 "captured", "shape", "shape_tries", "kept", "splice", "held_error",
+    __slots__ = ("ex", "api", "route", "parser", "pending", "parts", "parts_size", "drop_lf",
+                 "capture", "captured", "shape", "shape_tries", "kept", "splice", "held_error",
                  "held_flooded")
 
     def __init__(self, ex: Exchange, api: Api, capture: list[str] | None = None,
@@ -113,9 +130,12 @@ class Splicer:
         self.api = api
         self.route = ex.route
         self.parser = SSEParser(max_event_bytes)  # raises EventTooLarge past the bound
-        self.pending = b""  # start of an incomplete event
+        # An incomplete event held back: its bytes, or (past JOIN_LIMIT) its reads in `parts`,
+        # when `pending` is empty.
+        self.pending = b""
+        self.parts: list[bytes] = []
+        self.parts_size = 0
         self.drop_lf = False  # a dropped event ended in CR: the LF opening the next read is its
-        self.partial_out = False  # part of an unfinished event went out (over HOLD_LIMIT)
         self.capture = capture  # output text, when the operator opted in to content capture
         self.captured = 0  # characters in it (kept up to CAPTURE_LIMIT)
         # The stream's ordinary token event as bytes around its text (the API adapter's
@@ -135,24 +155,23 @@ class Splicer:
         if self.splice is not None:
             return self._feed_spliced(chunk, t)
         if self.held_error is not None:  # still parsed: its end is the attempt's
-            self.held_error += chunk
+            self._hold(chunk)
             for ev in self.parser.feed(chunk):
                 self.ex.t_last_event = t
                 self._observe(ev, t)
             return b""
         ex = self.ex
         parser = self.parser
+        # (`parts` held means the parser is inside an event: neither fast path is taken)
         if not self.pending and not self.drop_lf:
             shape = self.shape
             if shape is not None and shape.fits_event(chunk) and parser.between_events():
                 ex.t_last_event = t  # another ordinary token, one whole event in this read
-                self.partial_out = False
                 ex.event_seen(shape.info, t)
                 return chunk
             data = parser.whole_event(chunk)
             if data is not None:  # one whole event that no shape fits (it would fit the read)
                 ex.t_last_event = t
-                self.partial_out = False
                 info = self._observe(SSEEvent(None, data, 0, len(chunk)), t)
                 if self.holding():
                     self._hold(chunk)
@@ -164,7 +183,9 @@ class Splicer:
         base = len(pending)
         buf = pending + chunk if base else chunk
         drops: list[tuple[int, int]] | None = None
-        hold_at: int | None = None
+        hold_at: int | None = None  # where a held backend error begins in `buf`
+        hold_began_before = False  # …or it began in an earlier read (in `parts`)
+        drop_parts = False
         if events:
             ex.t_last_event = t
             drop_usage = ex.usage_injected
@@ -177,30 +198,43 @@ class Splicer:
                 if self.holding():
                     if hold_at is None:  # this error and the rest of the read are held
                         hold_at = ev.start + base if ev.start >= 0 else 0
+                        hold_began_before = ev.start < 0
                     continue
                 if info.usage_only and drop_usage:
+                    drop_parts = drop_parts or ev.start < 0  # it began in what was held
                     start = ev.start + base if ev.start >= 0 else 0
                     end = ev.end + base
                     (drops := drops or []).append((start, end))
                     if end == len(buf) and parser.skip_lf:
                         self.drop_lf = True
         if hold_at is not None:
-            self._hold(buf[hold_at:])
-            self.pending = b""
-            self.partial_out = False
             out = splice(buf, drops, hold_at)
+            earlier = b"".join(self.parts)
+            self.parts, self.parts_size, self.pending = [], 0, b""
+            if hold_began_before:  # what was held is the error event's start
+                self._hold(earlier + buf[hold_at:])
+            else:
+                if not drop_parts:
+                    out = earlier + out
+                self._hold(buf[hold_at:])
             return out[1:] if lf_owed and out[:1] == b"\n" else out
         hold_from = parser.hold_from
-        if hold_from is None:  # the read ended on an event boundary
-            cut = len(buf)
-            self.partial_out = False
+        if hold_from == -1:  # the read only goes on with what is held (no event ended in it)
+            out, rest = b"", buf
+        else:  # what was held ended in this read (None: so did the read)
+            cut = len(buf) if hold_from is None else hold_from + base
+            out = splice(buf, drops, cut)
+            if self.parts:
+                if not drop_parts:
+                    out = b"".join(self.parts) + out
+                self.parts, self.parts_size = [], 0
+            rest = buf[cut:] if cut < len(buf) else b""
+        if self.parts or len(rest) > JOIN_LIMIT:
+            self.parts.append(rest)
+            self.parts_size += len(rest)
+            self.pending = b""
         else:
-            cut = hold_from + base if hold_from >= 0 else 0
-            if len(buf) - cut > HOLD_LIMIT:
-                cut = len(buf)
-                self.partial_out = True  # no ping may go out until this event ends
-        out = splice(buf, drops, cut)
-        self.pending = buf[cut:] if cut < len(buf) else b""
+            self.pending = rest
         if lf_owed and out[:1] == b"\n":
             out = out[1:]
         return out
@@ -210,14 +244,23 @@ class Splicer:
         return self.held_error is not None
 
     def _hold(self, data: bytes) -> None:
-        """Bounded: past HOLD_LIMIT (an upstream that floods after its error) nothing is
+        """Bounded: past ERROR_HOLD_LIMIT (an upstream that floods after its error) nothing is
         kept, and the stream ends with the gateway's own error event if it is not continued."""
         held = self.held_error
         assert held is not None
-        if len(held) + len(data) > HOLD_LIMIT:
+        if len(held) + len(data) > ERROR_HOLD_LIMIT:
             self.held_flooded = True
         elif not self.held_flooded:
             held += data
+
+    @property
+    def held_size(self) -> int:
+        """Bytes of an incomplete event held back."""
+        return self.parts_size + len(self.pending)
+
+    def held_back(self) -> bytes:
+        """The bytes of an incomplete event held back, in order."""
+        return b"".join(self.parts) + self.pending if self.parts else self.pending
 
     def _feed_spliced(self, chunk: bytes, t: int) -> bytes:
         """A continuation's reads: only whole events go out, each rewritten as the client's
@@ -296,7 +339,7 @@ class Relay:
                  capture: list[str] | None = None,
                  max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
                  splice: Splice | None = None, race: RaceClaim | None = None,
-                 replay: tuple[UpstreamBody, list[tuple[bytes, int]]] | None = None) -> None:
+                 replay: Replay | None = None) -> None:
         self.request = request
         self.ex = ex
         self.up = up
@@ -312,12 +355,9 @@ class Relay:
         self.t_last_write = 0
         # A first-token race's: the commit claims it (a hedge may have had its token first).
         self.race = race
-        # A hedge that won: its body (paused) and its reads so far, replayed with their times.
-        self.recorded: list[tuple[bytes, int]] | None = None
-        if replay is not None:
-            self.body, self.recorded = replay
-        else:
-            self.body = UpstreamBody(up)
+        # A hedge that won: its body and its reads so far, replayed with their times.
+        self.replay = replay
+        self.body = replay.body if replay is not None else UpstreamBody(up)
         # After commit: a continuation writes on to the response its first attempt began.
         self.wire = ClientWire(request, ex.response) if ex.response is not None else None
         self.tokens_before = ex.token_events  # the idle deadline starts at this one's first
@@ -367,8 +407,8 @@ class Relay:
                     # the first token leaves in the read that brought it
                     if self._commit() and self._client_wire().full:
                         self._drain_first()
-                elif self.held_bytes + len(self.splicer.pending) > self.max_event_bytes:
-                    self._finish(EventTooLarge(self.held_bytes + len(self.splicer.pending),
+                elif self.held_bytes + self.splicer.held_size > self.max_event_bytes:
+                    self._finish(EventTooLarge(self.held_bytes + self.splicer.held_size,
                                                self.max_event_bytes,
                                                "answer without a first token"))
             if ex.done and self.linger is None and self.end is None:
@@ -385,7 +425,7 @@ class Relay:
         for this model's context (a larger model may); the request's own error passes on as it
         came (None). Held, the event is the answer if no other attempt can be made."""
         ex = self.ex
-        said = b"".join(self.held) + self.splicer.pending
+        said = b"".join(self.held) + self.splicer.held_back()
         meaning = failures.in_band_error(said)
         if meaning == failures.REQUEST_ERROR:
             return None
@@ -465,7 +505,7 @@ class Relay:
         self.t_last_write = now_ns()
         while True:
             await asyncio.sleep(max(0.0, interval - (now_ns() - self.t_last_write) / 1e9))
-            if (now_ns() - self.t_last_write) / 1e9 < interval or self.splicer.partial_out:
+            if (now_ns() - self.t_last_write) / 1e9 < interval:
                 continue
             try:
                 if not self._commit():
@@ -493,13 +533,19 @@ class Relay:
         but its end."""
         body = self.body
         loop = asyncio.get_running_loop()
-        if self.recorded is not None:  # a hedge's reads first, in order, with their times
-            recorded, self.recorded = self.recorded, None
-            for chunk, t in recorded:
+        replay, self.replay = self.replay, None
+        if replay is None:
+            body.hook(self)
+        else:  # a hedge's reads first, in order, with their times; then its body goes on
+            for chunk, t in replay.reads:
                 self.body_data(chunk, t)
-        body.hook(self)
-        if body.paused and not self.drain_asked and self.end is None:
-            body.resume()  # paused by the hedge's probe when it won
+            body.hand_to(self)
+            if replay.ended is True:
+                self.body_eof()
+            elif isinstance(replay.ended, BaseException):
+                self.body_error(replay.ended)
+            elif body.paused and not self.drain_asked and self.end is None:
+                body.resume()  # paused by the probe when it won
         try:
             while True:
                 if not self.drain_asked and self.end is None:
@@ -555,7 +601,7 @@ class Relay:
         if ex.done or complete_at_eof(ex, self.choices):
             if not self._commit():
                 raise deadline_failure(ATTEMPT_HEDGE_LOST)
-            pending = self.splicer.pending
+            pending = self.splicer.held_back()
             if pending:
                 await write(self._client(), pending)
             ex.finish(OK)  # complete at EOF (at the terminal event, decided there)
@@ -590,7 +636,7 @@ class Relay:
         API format: never a silent clean close (Portkey #1797). One that another backend
         may finish is handed back to the proxy to decide (StreamBroken)."""
         result = _BROKEN.get(reason) or (ATTEMPT_CUT if outcome == UPSTREAM_TRUNCATED else None)
-        if result is not None and self.splicer.kept is not None and not self.splicer.partial_out:
+        if result is not None and self.splicer.kept is not None:
             raise StreamBroken(result, reason, outcome, message, code or reason)
         return await end_with_error(self.ex, self.api, reason, outcome, message, code)
 

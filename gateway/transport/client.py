@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp.client_reqrep import ConnectionKey
+from aiohttp.http_exceptions import BadStatusLine, HttpProcessingError, LineTooLong
 from yarl import URL
 
-from gateway.errors import ResponseTooLarge, UpstreamLost, UpstreamUnreachable
+from gateway.errors import ResponseTooLarge, UpstreamInvalid, UpstreamLost, UpstreamUnreachable
 from gateway.transport.netdiag import describe_connect_error
 
 if TYPE_CHECKING:
@@ -42,6 +43,21 @@ MAX_HEADERS = 128
 # What aiohttp raises when an upstream cannot be reached or its connection is lost: nothing
 # above the transport sees these (UpstreamUnreachable, UpstreamLost instead).
 UPSTREAM_FAILURES = (TimeoutError, aiohttp.ClientError, OSError)
+
+
+def invalid(exc: HttpProcessingError) -> UpstreamInvalid:
+    """A response head aiohttp's parser refused, in words. aiohttp raises a plain
+    HttpProcessingError whose cause is the parser's own error, and its message quotes the
+    upstream's bytes: neither reaches the client or the log."""
+    cause = exc.__cause__ if isinstance(exc.__cause__, HttpProcessingError) else exc
+    if isinstance(cause, LineTooLong):
+        return UpstreamInvalid(f"a response header line over {MAX_FIELD_SIZE} bytes", True)
+    if "too many headers" in str(cause.message).lower():
+        return UpstreamInvalid(f"more than {MAX_HEADERS} response header lines", True)
+    if isinstance(cause, BadStatusLine):
+        return UpstreamInvalid("a status line that is not HTTP/1.1 (bytes after the end of an "
+                               "answer, such as a body after a 204)")
+    return UpstreamInvalid("a response head that is not valid HTTP/1.1")
 
 
 def lost(exc: BaseException) -> UpstreamLost:
@@ -126,7 +142,8 @@ async def send(connector: aiohttp.BaseConnector, target: Target, headers: Mappin
                body: bytes, timeout: aiohttp.ClientTimeout) -> UpstreamResponse:
     """POST `body` to `target` on a pooled connection and wait for the response headers
     (informational 1xx answers are skipped, as aiohttp skips them). A connect error, or a
-    connection lost before the headers, is UpstreamUnreachable: aiohttp's exceptions stop here."""
+    connection lost before the headers, is UpstreamUnreachable; a head the parser refuses
+    (malformed, or over its limits) is UpstreamInvalid: aiohttp's exceptions stop here."""
     data = request_bytes(target, headers, body)
     try:
         conn = await connector.connect(target, [], timeout)  # type: ignore[arg-type]
@@ -147,6 +164,9 @@ async def send(connector: aiohttp.BaseConnector, target: Target, headers: Mappin
     except UPSTREAM_FAILURES as e:
         conn.close()
         raise UpstreamUnreachable(describe_connect_error(e, target.host, target.port)) from None
+    except HttpProcessingError as e:  # aiohttp's own ClientResponse wraps it; this is ours
+        conn.close()
+        raise invalid(e) from None
     except BaseException:
         conn.close()
         raise

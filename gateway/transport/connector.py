@@ -1,19 +1,23 @@
-"""The upstream connector: aiohttp's TCPConnector (pool, DNS, TLS, limits) with connect timing.
+"""The upstream connector: aiohttp's TCPConnector (pool, DNS, TLS, limits) with connect timing,
+and connections whose body reader hears when the body's framing breaks.
 
 `_create_connection` is the connector's own extension point (every connector class implements
-it), but a private one: tests/integration/test_connector.py pins it.
+it), and `_factory` the protocol it makes; both private: tests/integration/test_connector.py
+pins them.
 """
 from __future__ import annotations
 
+import functools
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
+from aiohttp.client_proto import ResponseHandler
+from aiohttp.helpers import _EXC_SENTINEL, set_exception
 
 from gateway.timeline import now_ns
 
 if TYPE_CHECKING:
-    from aiohttp.client_proto import ResponseHandler
     from aiohttp.client_reqrep import ClientRequest
     from aiohttp.tracing import Trace
 
@@ -29,11 +33,32 @@ class ConnectStamps(Protocol):
 CONNECTING: ContextVar[ConnectStamps | None] = ContextVar("slogate_connecting", default=None)
 
 
+class BodyFailingHandler(ResponseHandler):
+    """aiohttp's response protocol, except that a body whose framing breaks mid-way (a chunk
+    size that does not parse, say) fails the body's reader: aiohttp closes the connection and
+    fails the protocol but leaves the reader waiting, so the relay (or a whole-body read)
+    would wait for its deadline. Failed, the reader reports a lost connection (UpstreamLost),
+    as a body cut short does."""
+
+    def set_exception(self, exc: BaseException,
+                      exc_cause: BaseException = _EXC_SENTINEL) -> None:
+        payload = self._payload
+        if payload is not None and not payload.is_eof() and payload.exception() is None:
+            set_exception(payload, aiohttp.ClientPayloadError(  # str(exc) may quote the body
+                f"Response payload is not completed: {type(exc).__name__}"), exc)
+        super().set_exception(exc, exc_cause)
+
+
 class TimedConnector(aiohttp.TCPConnector):
     """Stamps a new upstream connection (pool reuse stamps nothing) on the exchange in
     `CONNECTING`: where aiohttp's TraceConfig `on_connection_create_start/end` hooks fire, but
     without the Trace objects, signal sends and URL copies aiohttp then makes on every request
     (~20 µs per request for two hooks that rarely fire)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._factory = functools.partial(BodyFailingHandler,  # type: ignore[assignment]
+                                          loop=self._loop)
 
     async def _create_connection(self, req: ClientRequest, traces: list[Trace],
                                  timeout: aiohttp.ClientTimeout) -> ResponseHandler:

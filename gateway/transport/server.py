@@ -6,9 +6,14 @@ by gateway/edge/listener.py), the mechanics are here.
 
 The header deadline is armed when a connection opens and again when the first byte of the next
 request on it arrives; disarmed once the request's headers are parsed. When it fires: the
-policy's 408 (if any byte of the request came) and close. aiohttp's privates used here
-(`_handle_request`, `_messages`, `_loop`, the server's `_kwargs`, the site's own attributes)
-are pinned by tests/integration/test_hostile.py and tests/integration/test_bad_input.py.
+policy's 408 (if any byte of the request came) and close. Bytes of the next request can also
+come with the previous one (pipelining: a whole request and the start of the next in one
+packet), before it was handled: so the deadline is armed again when a request ends, and
+when it fires with no byte since, the parser is asked whether it holds the start of a
+request (yes: 408; no: the connection is idle, aiohttp's keep-alive timeout is its limit).
+aiohttp's privates used here (`_handle_request`, `_messages`, `_parser`, `_loop`, the server's
+`_kwargs`, the site's own attributes) are pinned by tests/integration/test_hostile.py and
+tests/integration/test_bad_input.py.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import asyncio
 from typing import Any, Protocol
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_exceptions import HttpProcessingError, PayloadEncodingError
 from aiohttp.web_protocol import RequestHandler
 
 LINGER_S = 2.0  # how long a timed-out connection may still send before it is closed
@@ -49,6 +54,7 @@ class GuardedHandler(RequestHandler):
         self._deadline: asyncio.TimerHandle | None = None
         self._since: float | None = None
         self._got_bytes = False  # bytes of the next request arrived (headers incomplete)
+        self._after_request = False  # armed at a request's end: bytes of the next may be in
         self._busy = False  # a request is being handled
         self._refused = False  # answered and closing: what the client still sends is dropped
 
@@ -80,7 +86,7 @@ class GuardedHandler(RequestHandler):
             return
         if not self._busy and data:
             self._got_bytes = True
-            if self._since is None:
+            if self._since is None or self._after_request:
                 self._arm()  # the first byte of the next request on a kept-alive connection
         super().data_received(data)
         if self._messages:  # headers complete (aiohttp queued the parsed request)
@@ -99,6 +105,8 @@ class GuardedHandler(RequestHandler):
         finally:
             self._busy = False
             self._got_bytes = False
+            self._arm()  # the next request may have begun in the packets of this one
+            self._after_request = True
 
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -116,6 +124,7 @@ class GuardedHandler(RequestHandler):
 
     def _arm(self) -> None:
         self._since = self._loop.time()
+        self._after_request = False
         if self._deadline is None:
             self._deadline = self._loop.call_later(self._policy.header_timeout_s, self._check)
 
@@ -137,6 +146,10 @@ class GuardedHandler(RequestHandler):
         transport = self.transport
         if self._busy or transport is None or self._messages:
             return
+        if self._after_request and not self._got_bytes:
+            if not self._request_begun():
+                return  # idle between requests: the keep-alive timeout's business
+            self._got_bytes = True
         answer = self._policy.timed_out(self._got_bytes)
         if answer is not None:
             transport.write(answer)
@@ -149,6 +162,23 @@ class GuardedHandler(RequestHandler):
                 self._loop.call_later(LINGER_S, self.force_close)
                 return
         self.force_close()
+
+
+    def _request_begun(self) -> bool:
+        """Does the parser hold the start of a request whose headers are incomplete? aiohttp's
+        C parser keeps that to itself, but its `feed_eof` tells: it returns the request it had
+        begun (or fails on it), and None, changing nothing, when it had none. Asked only when
+        the connection is closed if it had one. A request body still being read is not the
+        start of a request (lingering reads it)."""
+        parser = self._parser
+        if parser is None:
+            return False
+        try:
+            return parser.feed_eof() is not None
+        except PayloadEncodingError:
+            return False
+        except Exception:
+            return True
 
 
 class GuardedSite(web.TCPSite):

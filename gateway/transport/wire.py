@@ -94,7 +94,8 @@ class UpstreamBody:
     """The body of one upstream response, delivered to a sink as it is parsed; reading paused
     and resumed for back-pressure."""
 
-    __slots__ = ("content", "protocol", "paused", "hooked", "outside_parser", "transport_paused")
+    __slots__ = ("content", "protocol", "paused", "hooked", "outside_parser", "transport_paused",
+                 "sink")
 
     def __init__(self, up: UpstreamResponse) -> None:
         self.content = up.content
@@ -104,6 +105,7 @@ class UpstreamBody:
         self.hooked = False
         self.outside_parser = False  # delivering what was buffered before the hook
         self.transport_paused = False
+        self.sink: BodySink | None = None
 
     def hook(self, sink: BodySink) -> None:
         """From now on the body goes to `sink`: first what aiohttp has buffered already (it
@@ -117,25 +119,51 @@ class UpstreamBody:
         if type(content) is not StreamReader:  # EMPTY_PAYLOAD: no body at all
             sink.body_eof()
             return
-        buffered = content.read_nowait(-1)
-        if content.is_eof():
-            if buffered:
-                sink.body_data(buffered)
-            sink.body_eof()
+        self.sink = sink
+        self._buffered()
+
+    def _buffered(self) -> None:
+        """What aiohttp buffered before the hook goes to the sink, then the hook is set (at
+        its end, or on `resume` when the sink paused it). Reading the buffer may resume the
+        parser, which refills it at once (a compressed body inflates a bounded step at a
+        time): it is read again until empty, so that nothing is left behind the hook — the
+        tail of a gzip'd stream was, once."""
+        content, sink = self.content, self.sink
+        assert sink is not None
+        self.outside_parser = True
+        try:
+            while not self.paused and content.exception() is None:
+                data = content.read_nowait(-1)
+                if not data:
+                    break
+                sink.body_data(data)
+        finally:
+            self.outside_parser = False
+        if self.paused:
             return
-        _SINKS[content] = sink
-        content.__class__ = _HookedReader
-        self.hooked = True
-        if buffered:
-            self.outside_parser = True
-            try:
-                sink.body_data(buffered)
-            finally:
-                self.outside_parser = False
+        exc = content.exception()
+        if exc is not None:
+            sink.body_error(_lost(exc))
+        elif content.is_eof():
+            sink.body_eof()
+        else:
+            _SINKS[content] = sink
+            content.__class__ = _HookedReader
+            self.hooked = True
+
+    def hand_to(self, sink: BodySink) -> None:
+        """The body goes on to another sink, as it is (paused or not, hooked or not yet): a
+        first-token race's winner, from the probe that read it to the request's relay.
+        Switching the reader's class back and forth instead would break aiohttp's chunk
+        tracking in the middle of a chunk."""
+        self.sink = sink
+        if self.hooked:
+            _SINKS[self.content] = sink
 
     def unhook(self) -> None:
         """Back to a plain StreamReader (whatever arrives later is buffered, then dropped with
         the connection)."""
+        self.sink = None
         if self.hooked:
             self.hooked = False
             content = self.content
@@ -162,18 +190,20 @@ class UpstreamBody:
 
     def resume(self) -> None:
         """Read again: what the parser kept back is delivered now, re-entrantly (the sink may
-        pause again before this returns)."""
+        pause again before this returns); so is the rest of what was buffered before the hook,
+        if the sink paused while that was delivered."""
         if not self.paused:
             return
         self.paused = False
         proto = self.protocol
-        if proto is None or proto.transport is None:
-            return
-        if self.transport_paused:
-            self.transport_paused = False
-            proto.transport.resume_reading()
-        else:
-            proto.resume_reading()
+        if proto is not None and proto.transport is not None:
+            if self.transport_paused:
+                self.transport_paused = False
+                proto.transport.resume_reading()
+            else:
+                proto.resume_reading()
+        if not self.hooked and self.sink is not None:
+            self._buffered()
 
 
 class CoalescedResponse(web.StreamResponse):

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import random
 
 import aiohttp
+import orjson
 import pytest
 
 from backends.sim import SimConfig, build_app as build_sim
@@ -13,6 +15,7 @@ from gateway import config
 from gateway.admission.estimator import RLS, ReplicaEstimator
 from gateway.ops.server import build_app
 from tests.support.servers import serve_app
+from tests.support.upstreams import REQUESTS, scripted_app
 from tests.support.waiting import wait_until
 
 MSG = "word " * 10
@@ -47,6 +50,38 @@ async def stream(s: aiohttp.ClientSession, base: str, prompt_chars: int, max_tok
                 ttft = asyncio.get_running_loop().time() - t0
         out["ttft"] = ttft
         return out
+
+
+async def test_a_request_the_upstream_refused_is_charged_only_its_prompt() -> None:
+    """tokens_per_minute reserves the prompt's estimate + max_tokens at admission. An upstream
+    400 produced no completion: the request is charged its prompt as estimated, and the rest of
+    the reservation comes back (the SDKs' rate-limit headers say how much is left)."""
+    key = "gw-quota-key-0123456789"
+    refusal = orjson.dumps({"error": {"message": "Unsupported parameter.", "type":
+                                      "invalid_request_error", "param": None, "code": "bad"}})
+    upstream = scripted_app([refusal], status=400, headers={"Content-Type": "application/json"})
+    async with serve_app(upstream) as up:
+        cfg = gw([("a", up)], auth={"mode": "keys", "keys": [{
+            "tenant": "t", "sha256": hashlib.sha256(key.encode()).hexdigest(),
+            "tokens_per_minute": 1000}]})
+        async with serve_app(build_app(cfg)) as base, aiohttp.ClientSession() as s:
+            async def ask(max_tokens: int) -> tuple[int, dict[str, str]]:
+                async with s.post(base + "/v1/chat/completions", headers={
+                        "Authorization": f"Bearer {key}"}, json={
+                        "model": "m", "max_tokens": max_tokens,
+                        "messages": [{"role": "user", "content": "hello"}]}) as r:
+                    await r.read()
+                    return r.status, dict(r.headers)
+
+            # Each reserves ~930 of the 1000: the second fits only if the first got it back.
+            assert (await ask(900))[0] == 400
+            assert (await ask(900))[0] == 400
+            status, headers = await ask(1000)  # more than a full bucket holds now: refused
+    assert status == 429 and headers["x-slogate-admission"] == "quota_tokens_per_minute"
+    assert headers["x-ratelimit-limit-tokens"] == "1000"
+    # two prompts of ~30 estimated tokens were charged, nothing else
+    assert 900 <= int(headers["x-ratelimit-remaining-tokens"]) < 1000
+    assert len(upstream[REQUESTS]) == 2
 
 
 async def admission_state(s: aiohttp.ClientSession, base: str) -> dict:

@@ -1,12 +1,17 @@
 """Connection timing (gateway/transport/connector.py's TimedConnector): a new upstream connection is
-stamped on the exchange being sent, a pooled one is not, and nothing is stamped outside a send."""
+stamped on the exchange being sent, a pooled one is not, and nothing is stamped outside a send;
+its protocol fails a body whose framing breaks."""
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
+import pytest
 from aiohttp import web
 
 from gateway.exchange import Exchange
 from gateway.transport.connector import CONNECTING, TimedConnector
+from tests.support import hostile
 from tests.support.servers import serve_app
 
 
@@ -35,3 +40,25 @@ async def test_a_new_connection_is_stamped_a_pooled_one_is_not() -> None:
             async with s.get(base + "/", headers=headers) as r:
                 assert await r.text() == "ok"
         assert second.t_connect_start == 0
+
+
+async def test_a_body_whose_framing_breaks_fails_its_reader_instead_of_hanging() -> None:
+    """aiohttp closes a connection whose body framing breaks mid-way (here a chunk size that
+    does not parse) but leaves the body's reader waiting for ever; the connector's protocol
+    fails the reader, as a body cut short is failed."""
+    plain = aiohttp.TCPConnector()
+    assert "_factory" in vars(plain)  # what TimedConnector replaces
+    await plain.close()
+    raw = hostile.RawUpstream(default=[
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n", 0.05, b"zz\r\nnot a chunk\r\n"])
+    async with hostile.serve_raw(raw) as base, \
+            aiohttp.ClientSession(connector=TimedConnector()) as s:
+        async with s.post(base + "/", data=b"{}") as r:
+            got = []
+            with pytest.raises(aiohttp.ClientPayloadError,
+                               match="not completed: HttpProcessingError"):
+                async with asyncio.timeout(5):
+                    async for chunk in r.content.iter_any():
+                        got.append(chunk)
+    assert got == [b"abc"]

@@ -223,3 +223,14 @@ async def test_a_messages_stream_races_too_through_the_anthropic_sdk() -> None:
             assert time.monotonic() - t0 < 2.0
             assert await counters(base, "slogate_hedges_total", "slo_class", "result") == {
                 ("chat", "won"): 1}
+
+
+async def test_a_hedge_whose_whole_answer_came_before_the_handover_is_relayed_whole() -> None:
+    whole = b"".join(s for s in tokens(4, 0.0) if isinstance(s, bytes)) + DONE
+    slow, hedge = late(3.0), sequenced_app([(200, SSE, [whole])])  # one write, then its end
+    async with serve_app(slow) as slow_url, serve_app(hedge) as hedge_url:
+        async with serve_app(build_app(gw({"slow": slow_url, "hedge": hedge_url}))) as base:
+            got = await stream(base)
+            assert got.text == "t0 t1 t2 t3 "
+            assert await counters(base, "slogate_hedges_total", "slo_class", "result") == {
+                ("chat", "won"): 1}

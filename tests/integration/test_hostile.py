@@ -10,16 +10,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import gzip
 import hashlib
 import logging
 import re
 import resource
+import selectors
+import socket
 import tempfile
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import openai
 import orjson
 import pytest
 
@@ -31,6 +36,7 @@ from gateway.ops import server
 from gateway.request.relay import Relay, Splicer
 from tests.support import hostile
 from tests.support.procs import slogate
+from tests.support.prometheus_server import free_port
 from tests.support.servers import serve_app
 
 KEY = "gw-test-key-0123456789"
@@ -41,7 +47,16 @@ GOOD = {"model": "m", "stream": True, "max_tokens": 30, "seed": 3,
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def raw_config(evil_url: str, sim_url: str, **server_keys: Any) -> dict[str, Any]:
+def raw_config(evil_url: str, sim_url: str,
+               raw: tuple[str, list[str], list[str]] | None = None,
+               **server_keys: Any) -> dict[str, Any]:
+    """The hostile upstream and the simulator; with `raw` (a RawUpstream's URL, its models and
+    those of them the simulator serves too), that upstream as well, and the simulator as a
+    second replica, `spare`, listed after it: the first attempt goes to the raw upstream, a
+    failover to the simulator."""
+    more = [] if raw is None else [
+        {"name": "raw", "base_url": raw[0] + "/v1", "models": raw[1]},
+        {"name": "spare", "base_url": sim_url + "/v1", "models": raw[2] or ["none"]}]
     return {
         "auth": {"mode": "keys", "keys": [{"tenant": "t",
                                            "sha256": hashlib.sha256(KEY.encode()).hexdigest()}]},
@@ -53,28 +68,40 @@ def raw_config(evil_url: str, sim_url: str, **server_keys: Any) -> dict[str, Any
             {"name": "evil", "base_url": evil_url + "/v1", "models": HOSTILE_MODELS,
              "api_key_env": "SLOGATE_TEST_EVIL_KEY"},
             {"name": "sim", "base_url": sim_url + "/v1", "models": ["m"]},
+            *more,
         ],
     }
 
 
 @contextlib.asynccontextmanager
-async def stack(monkeypatch, **server_keys: Any) -> AsyncIterator[tuple[str, Any, Any]]:
-    """Trap, hostile upstream, simulator and the gateway (its real listener), in-process.
-    Yields (gateway URL, the site, the hostile upstream app)."""
+async def stack(monkeypatch, raw: hostile.RawUpstream | None = None,
+                spare: Sequence[str] | None = None,
+                **server_keys: Any) -> AsyncIterator[tuple[str, Any, Any]]:
+    """Trap, hostile upstream, simulator and the gateway (its real listener), in-process; with
+    `raw`, that upstream too, for its models, with the simulator as the second replica of
+    those in `spare` (default: all of them; raw_config). Yields (gateway URL, the site, the
+    hostile upstream app)."""
     monkeypatch.setenv("SLOGATE_TEST_EVIL_KEY", UPSTREAM_KEY)
     trap = hostile.trap_app()
-    async with serve_app(trap) as trap_url:
+    async with contextlib.AsyncExitStack() as up:
+        trap_url = await up.enter_async_context(serve_app(trap))
         evil = hostile.hostile_app(trap_url)
         evil[hostile.TRAP] = trap
-        async with serve_app(evil) as evil_url, \
-                serve_app(build_sim(SimConfig(decode_base_ms=2, decode_per_seq_ms=0))) as sim_url:
-            cfg = config.parse(raw_config(evil_url, sim_url, **server_keys), env={})
-            app = server.build_app(cfg)
-            runner, site = await server.start(app, cfg, "127.0.0.1", 0)
-            try:
-                yield f"http://127.0.0.1:{site.bound_port}", site, evil
-            finally:
-                await runner.cleanup()
+        evil_url = await up.enter_async_context(serve_app(evil))
+        sim_url = await up.enter_async_context(
+            serve_app(build_sim(SimConfig(decode_base_ms=2, decode_per_seq_ms=0))))
+        raw_at = None
+        if raw is not None:
+            models = list(raw.answers)
+            raw_at = (await up.enter_async_context(hostile.serve_raw(raw)), models,
+                      models if spare is None else list(spare))
+        cfg = config.parse(raw_config(evil_url, sim_url, raw_at, **server_keys), env={})
+        app = server.build_app(cfg)
+        runner, site = await server.start(app, cfg, "127.0.0.1", 0)
+        try:
+            yield f"http://127.0.0.1:{site.bound_port}", site, evil
+        finally:
+            await runner.cleanup()
 
 
 async def until(cond, timeout: float = 10.0, what: str = "condition") -> None:
@@ -167,6 +194,24 @@ async def test_kept_alive_connection_gets_the_header_deadline_and_the_idle_timeo
         await until(lambda: site.guard.open == 0)
 
 
+async def test_a_request_cut_after_a_pipelined_one_gets_408_at_the_header_deadline(
+        monkeypatch) -> None:
+    """A whole request and the start of the next in one packet: the next one's headers are
+    awaited from then on, and get the 408 at the header deadline, not the idle timeout."""
+    async with stack(monkeypatch, header_timeout_s=0.5, idle_connection_timeout_s=30) \
+            as (gw, site, _), aiohttp.ClientSession() as s:
+        r, w = await asyncio.open_connection("127.0.0.1", port_of(gw))
+        t0 = asyncio.get_running_loop().time()
+        w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET /heal")
+        assert hostile.status_of(await read_response(r)) == 200
+        rest = await asyncio.wait_for(r.read(), 5)
+        assert hostile.status_of(rest) == 408
+        assert asyncio.get_running_loop().time() - t0 < 3
+        w.close()
+        assert await metric(s, gw, "slogate_connections_rejected_total", "header_timeout") == 1
+        await until(lambda: site.guard.open <= 1)
+
+
 @pytest.mark.parametrize("keys,reason", [
     ({"max_connections": 3, "max_connections_per_client": 0}, "max_connections"),
     ({"max_connections": 100, "max_connections_per_client": 3}, "max_connections_per_client"),
@@ -186,6 +231,56 @@ async def test_connections_over_the_cap_get_503_and_close(monkeypatch, keys, rea
         await until(lambda: site.guard.open == 0)
         async with aiohttp.ClientSession() as s, s.get(gw + "/healthz") as r:
             assert r.status == 200
+
+
+def connected_at_once(port: int, n: int, wait_s: float = 0.5) -> int:
+    """Open `n` connections at once, synchronously (the event loop, and so the gateway, accepts
+    none meanwhile): how many the kernel completed within `wait_s` — each one whose handshake
+    put it in the listener's accept queue."""
+    socks: list[socket.socket] = []
+    sel = selectors.DefaultSelector()
+    try:
+        for _ in range(n):
+            sock = socket.socket()
+            socks.append(sock)
+            sock.setblocking(False)
+            sock.connect_ex(("127.0.0.1", port))
+            sel.register(sock, selectors.EVENT_WRITE)
+        done = 0
+        deadline = time.monotonic() + wait_s
+        while done < n and (left := deadline - time.monotonic()) > 0:
+            for key, _ in sel.select(left):
+                sel.unregister(key.fileobj)
+                done += key.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
+        return done
+    finally:
+        sel.close()
+        for sock in socks:
+            sock.close()
+
+
+async def test_a_burst_of_new_connections_connects_at_once_on_every_listener() -> None:
+    """[server] backlog (4096 by default) reaches every listener: 500 connections opened at
+    once, none accepted yet, all connect, to the main and to the admin listener. With
+    aiohttp's default backlog of 128 the kernel drops the SYNs past the accept queue's
+    129th, and those connections wait for its 1 s retransmit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    cfg = config.parse({"auth": {"mode": "open"},
+                        "server": {"access_log": False, "admin_port": free_port()},
+                        "backends": [{"name": "a", "base_url": "http://127.0.0.1:9/v1"}]},
+                       env={})
+    app = server.build_app(cfg)
+    runner, site = await server.start(app, cfg, "127.0.0.1", 0)
+    admin_runner, admin_site = await server.start_admin(app, cfg)
+    try:
+        for port in (site.bound_port, admin_site.bound_port):
+            assert connected_at_once(port, 500) == 500, port
+            await until(lambda: site.guard.open == admin_site.guard.open == 0)
+    finally:
+        await admin_runner.cleanup()
+        await runner.cleanup()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 async def test_body_that_never_arrives_gets_408(monkeypatch) -> None:
@@ -272,6 +367,118 @@ async def test_redirect_is_not_followed(monkeypatch) -> None:
         assert await metric(s, gw, "slogate_limits_exceeded_total", "upstream_redirect") >= 1
 
 
+# -- upstream answers that no HTTP server library would send ---------------------------------------
+
+SSE = [("Content-Type", "text/event-stream")]
+JSON_OK = hostile.http_answer(200, [("Content-Type", "application/json"), ("Content-Length", "2")],
+                              b"{}")
+UPGRADE = hostile.http_answer(101, [("Upgrade", "websocket"), ("Connection", "Upgrade")],
+                              b"\x81\x05hello")  # and then another protocol's bytes
+
+
+async def test_an_upstream_101_is_a_failed_attempt_and_its_connection_is_closed(
+        monkeypatch) -> None:
+    """101 Switching Protocols is never relayed: a failed attempt (502 upstream_upgrade once
+    attempts run out), and the connection it came on is closed, never pooled."""
+    raw = hostile.RawUpstream({"upgrade": [UPGRADE], "ok": [JSON_OK]})
+    async with stack(monkeypatch, raw, spare=[]) as (gw, site, _), aiohttp.ClientSession() as s:
+        async with s.post(gw + "/v1/chat/completions", headers=AUTH,
+                          json={"model": "upgrade", "stream": True}) as r:
+            assert r.status == 502
+            err = (await r.json())["error"]
+            assert err["code"] == limits.UPSTREAM_UPGRADE and "101" in err["message"]
+        await until(lambda: raw.closed == [1, 2, 3], what="every 101 connection closed")
+        async with s.post(gw + "/v1/chat/completions", headers=AUTH, json={"model": "ok"}) as r:
+            assert r.status == 200
+        # three attempts on three connections, and the next request on a fourth
+        assert raw.requests == [(1, "upgrade"), (2, "upgrade"), (3, "upgrade"), (4, "ok")]
+        assert await metric(s, gw, "slogate_limits_exceeded_total", "upstream_upgrade") == 3
+
+
+def _gzipped_stream(n: int) -> tuple[bytes, str]:
+    events = [b'data: {"id":"g","object":"chat.completion.chunk","created":1,"model":"m",'
+              b'"choices":[{"index":0,"delta":{"content":"w%d "},"finish_reason":null}]}\n\n'
+              % i for i in range(n)]
+    events.append(b'data: {"id":"g","object":"chat.completion.chunk","created":1,"model":"m",'
+                  b'"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+                  b"data: [DONE]\n\n")
+    return b"".join(events), "".join(f"w{i} " for i in range(n))
+
+
+# model -> (its answer: bytes or a script, the attempt's result, the 502's code when no replica
+# is left)
+UNREADABLE = {
+    "body-after-204": (hostile.http_answer(204, [("Content-Length", "0")], b"surprise"),
+                       "invalid_response", "invalid_response"),
+    "long-header": (hostile.http_answer(200, [("X-Big", "a" * 9000), *SSE]),
+                    limits.HEADERS_TOO_LARGE, limits.HEADERS_TOO_LARGE),
+    "many-headers": (hostile.http_answer(200, [(f"X-H{i}", "v") for i in range(200)]),
+                     limits.HEADERS_TOO_LARGE, limits.HEADERS_TOO_LARGE),
+    "short-body": (hostile.http_answer(200, [("Content-Type", "application/json"),
+                                             ("Content-Length", "100")], b'{"id":'),
+                   "cut", "upstream_response_truncated"),
+    "bad-chunk": ([hostile.http_answer(200, [*SSE, ("Transfer-Encoding", "chunked")]), 0.05,
+                   b"zz\r\nnot a chunk\r\n"],  # after the head: the body's framing breaks
+                  "closed_before_first_token", "upstream_stream_truncated"),
+}
+
+
+@pytest.mark.parametrize("model", list(UNREADABLE))
+async def test_an_unreadable_upstream_answer_fails_over_and_is_a_502_when_none_is_left(
+        monkeypatch, caplog, model) -> None:
+    """A 204 with a body, headers over the parser's limits, a body shorter than its
+    Content-Length, a chunk that does not parse: a failed attempt that judges the backend,
+    another replica answers; with none left, a 502 that says why in the client's format. No
+    traceback, no internal error, no wait for a deadline."""
+    answer, result, code = UNREADABLE[model]
+    script = [answer] if isinstance(answer, bytes) else answer
+    close = model in ("short-body", "bad-chunk")  # what makes these an answer at all
+    raw = hostile.RawUpstream({model: script, model + "-alone": script},
+                              close_after=[model, model + "-alone"] if close else ())
+    client = openai.AsyncOpenAI(base_url="", api_key=KEY, max_retries=0, timeout=10)
+    async with stack(monkeypatch, raw, spare=[model]) as (gw, site, _), \
+            aiohttp.ClientSession() as s:
+        client.base_url = gw + "/v1"
+        chunks = await client.chat.completions.create(model=model, stream=True, max_tokens=3,
+                                                      messages=[{"role": "user", "content": "x"}])
+        assert "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+        assert raw.requests == [(1, model)]  # the raw upstream first, then the spare
+        async with s.post(gw + "/v1/chat/completions", headers=AUTH,
+                          json={"model": model + "-alone", "stream": True}) as r:
+            assert r.status == 502
+            err = (await r.json())["error"]
+        assert err["code"] == code and err["message"], err
+        if code == result:  # the head could not be read: the message says which backend, why
+            assert err["message"].startswith("Backend 'raw' sent an answer"), err
+        async with s.get(gw + "/metrics") as r:
+            text = await r.text()
+        attempts = re.search(rf'slogate_upstream_attempts_total{{backend="raw",result="{result}"}}'
+                             r" (\S+)", text)
+        assert attempts and float(attempts.group(1)) == 4  # once, then three times alone
+    await client.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+async def test_a_gzipped_event_stream_reaches_the_client_whole(monkeypatch) -> None:
+    """An upstream that ignores `Accept-Encoding: identity` and gzips its event stream: every
+    event of the inflated stream reaches the client (the SDK reads the whole answer)."""
+    plain, text = _gzipped_stream(3000)
+    packed = gzip.compress(plain)  # ~200 KB inflated from a few KB: inflated in steps
+    raw = hostile.RawUpstream({"gzip": [hostile.http_answer(200, [
+        *SSE, ("Content-Encoding", "gzip"), ("Content-Length", str(len(packed)))], packed)]})
+    async with stack(monkeypatch, raw, spare=[]) as (gw, site, _):
+        client = openai.AsyncOpenAI(base_url=gw + "/v1", api_key=KEY, max_retries=0,
+                                    timeout=10)
+        try:
+            chunks = await client.chat.completions.create(
+                model="gzip", stream=True, messages=[{"role": "user", "content": "x"}])
+            got = [c async for c in chunks]
+        finally:
+            await client.close()
+    assert "".join(c.choices[0].delta.content or "" for c in got if c.choices) == text
+    assert got[-1].choices[0].finish_reason == "stop"
+
+
 # -- upstream sizes --------------------------------------------------------------------------------
 
 async def test_decompression_bomb_is_refused(monkeypatch) -> None:
@@ -292,6 +499,27 @@ async def test_event_flood_before_first_token_fails_the_attempt(monkeypatch, mod
             assert (await r.json())["error"]["code"] == limits.EVENT_TOO_LARGE
         # tried twice (retryable once), each counted
         assert await metric(s, gw, "slogate_limits_exceeded_total", "event_too_large") == 2
+
+
+async def test_an_event_over_the_limit_after_commit_is_an_error_the_sdk_parses(monkeypatch) -> None:
+    """The error event that ends the stream starts on an event boundary: none of the event over
+    the limit went out before it, so the SDK raises the gateway's error, naming the limit
+    (not a JSON error on half an event)."""
+    async with stack(monkeypatch) as (gw, site, _):
+        client = openai.AsyncOpenAI(base_url=gw + "/v1", api_key=KEY, max_retries=0,
+                                    timeout=10)
+        texts = []
+        try:
+            chunks = await client.chat.completions.create(
+                model="flood-after", stream=True, messages=[{"role": "user", "content": "x"}])
+            with pytest.raises(openai.APIError) as caught:
+                async for c in chunks:
+                    texts.append(c.choices[0].delta.content or "")
+        finally:
+            await client.close()
+    assert "".join(texts) == "hi"
+    assert caught.value.code == limits.EVENT_TOO_LARGE
+    assert f"more than {1 << 20} bytes" in caught.value.message
 
 
 async def test_event_flood_after_commit_ends_with_an_error_event(monkeypatch) -> None:

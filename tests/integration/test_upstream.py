@@ -15,24 +15,9 @@ from yarl import URL
 from gateway.errors import UpstreamUnreachable
 from gateway.transport import client as upstream
 from gateway.transport.connector import TimedConnector
+from tests.support import hostile
 
 TIMEOUT = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=5)
-
-
-async def raw_server(answer: bytes, seen: list[bytes]) -> tuple[asyncio.Server, int]:
-    """A TCP server that records each request's bytes (up to its body) and answers `answer`
-    on the same (kept-alive) connection."""
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length")))
-            seen.append(head + await reader.readexactly(length))
-            writer.write(answer)
-            await writer.drain()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    return server, server.sockets[0].getsockname()[1]
 
 
 def test_target_is_what_aiohttps_connector_reads_of_a_request() -> None:
@@ -58,10 +43,11 @@ def test_target_is_what_aiohttps_connector_reads_of_a_request() -> None:
 
 
 async def test_the_request_on_the_wire_and_a_pooled_connection_reused() -> None:
-    seen: list[bytes] = []
     answer = (b"HTTP/1.1 100 Continue\r\n\r\n"  # skipped, as aiohttp skips it
               b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok")
-    server, port = await raw_server(answer, seen)
+    raw = hostile.RawUpstream(default=[answer])
+    port = await raw.start()
+    seen = raw.seen
     connector = TimedConnector()
     try:
         target = upstream.Target(URL(f"http://127.0.0.1:{port}/v1/chat/completions"))
@@ -79,7 +65,7 @@ async def test_the_request_on_the_wire_and_a_pooled_connection_reused() -> None:
         assert sum(len(v) for v in connector._conns.values()) == 1  # one connection, reused
     finally:
         await connector.close()
-        server.close()
+        raw.close()
 
 
 @pytest.mark.parametrize("name, value", [("X-Key", "abc\r\nX-Evil: 1"), ("X-Key", "abc\n"),
@@ -91,12 +77,8 @@ def test_a_header_with_cr_or_lf_is_refused(name: str, value: str) -> None:
 
 
 async def test_a_connection_lost_before_the_headers_is_unreachable_and_not_pooled() -> None:
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
+    raw = hostile.RawUpstream(close_after=[""])  # reads the request, closes without a word
+    port = await raw.start()
     connector = TimedConnector()
     try:
         target = upstream.Target(URL(f"http://127.0.0.1:{port}/v1/x"))
@@ -105,7 +87,7 @@ async def test_a_connection_lost_before_the_headers_is_unreachable_and_not_poole
         assert sum(len(v) for v in connector._conns.values()) == 0
     finally:
         await connector.close()
-        server.close()
+        raw.close()
 
 
 async def test_an_aiohttp_upstream_gets_the_same_request_as_from_aiohttps_client() -> None:

@@ -3,16 +3,21 @@ back-pressure both ways, and a connection that goes back to the pool after a hoo
 from __future__ import annotations
 
 import asyncio
+import gzip
 
 import aiohttp
 import orjson
 import pytest
 from aiohttp import web
 from aiohttp.streams import StreamReader
+from yarl import URL
 
 from gateway import config
 from gateway.ops.server import build_app
+from gateway.transport import client as upstream
+from gateway.transport.connector import TimedConnector
 from gateway.transport.wire import UpstreamBody, _HookedReader
+from tests.support import hostile
 from tests.support.servers import serve_app
 from tests.support.waiting import wait_until
 
@@ -175,6 +180,36 @@ async def test_body_goes_to_the_sink_in_order_with_pause_and_resume_and_the_conn
             up.release()
         assert s.connector is not None
         assert sum(len(v) for v in s.connector._conns.values()) == 1
+
+
+@pytest.mark.parametrize("pause_after", [0, 1])
+async def test_a_body_buffered_before_the_hook_reaches_the_sink_whole(pause_after: int) -> None:
+    """A gzip'd body that came with its headers: aiohttp inflates it a bounded step at a time,
+    a step each time its buffer is read, so reading what was buffered refills it. All of it
+    reaches the sink, in order, then its end; also when the sink pauses meanwhile."""
+    plain = b"".join(b'data: {"i":%d}\n\n' % i for i in range(20_000))  # ~330 KB inflated
+    packed = gzip.compress(plain)
+    raw = hostile.RawUpstream(default=[hostile.http_answer(200, [
+        ("Content-Encoding", "gzip"), ("Content-Length", str(len(packed)))], packed)])
+    async with hostile.serve_raw(raw) as base:
+        connector = TimedConnector()
+        try:
+            up = await upstream.send(connector, upstream.Target(URL(base + "/v1/x")), {}, b"{}",
+                                     aiohttp.ClientTimeout(sock_connect=5))
+            await asyncio.sleep(0.05)  # all of it here: buffered as far as aiohttp goes
+            body = UpstreamBody(up)
+            sink = Sink(body, pause_after=pause_after)
+            body.hook(sink)
+            if pause_after:
+                assert len(sink.data) == 1 and not sink.eof.is_set()
+                body.resume()
+            await asyncio.wait_for(sink.eof.wait(), 5)
+            body.unhook()
+            assert sink.error is None
+            assert b"".join(sink.data) == plain
+            up.release()
+        finally:
+            await connector.close()
 
 
 async def test_a_client_that_does_not_read_stops_the_upstream() -> None:

@@ -9,11 +9,16 @@ The upstream misbehaves by the model name it is asked for:
   cookie           200 JSON with Set-Cookie / openai-organization / openai-project, and records
                    the request headers it got
 Every "for ever" stops once the gateway stops reading (or after `cap` bytes).
+
+What no HTTP server library would send (a 101, a 204 with a body, oversized headers, a body
+shorter than its Content-Length) comes from `RawUpstream`: exact bytes on a bare socket.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import zlib
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -97,6 +102,98 @@ def hostile_app(trap_url: str, cap: int = 256 << 20) -> web.Application:
 
     app.router.add_post("/{tail:.*}", handler)
     return app
+
+
+# -- an upstream on a bare socket -----------------------------------------------------------
+
+RawStep = bytes | float  # bytes: write them (one write); float: sleep that many seconds
+
+
+class RawUpstream:
+    """An upstream that answers each request with the exact bytes of `answers[model]` (or
+    `default`, or a callable of the request's JSON body), on a bare TCP socket. The connection
+    is kept for the next request unless the model is in `close_after`.
+
+    `seen`: each request's bytes (head and body); `requests`: (connection number, model) of
+    each; `closed`: the connections the gateway closed (EOF while waiting for a request)."""
+
+    def __init__(self, answers: Mapping[str, Sequence[RawStep]] | None = None, *,
+                 default: Sequence[RawStep] | Callable[[dict[str, Any]], Sequence[RawStep]]
+                 = (), close_after: Sequence[str] = ()) -> None:
+        self.answers = answers or {}
+        self.default = default
+        self.close_after = frozenset(close_after)
+        self.seen: list[bytes] = []
+        self.requests: list[tuple[int, str]] = []
+        self.closed: list[int] = []
+        self.connections = 0
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
+        port: int = self.server.sockets[0].getsockname()[1]
+        return port
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    def _script(self, body: dict[str, Any]) -> tuple[str, Sequence[RawStep]]:
+        model = str(body.get("model", ""))
+        if model in self.answers:
+            return model, self.answers[model]
+        return model, self.default(body) if callable(self.default) else self.default
+
+    async def _connection(self, reader: asyncio.StreamReader,
+                          writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        number = self.connections
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    self.closed.append(number)
+                    return
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                data = await reader.readexactly(length)
+                self.seen.append(head + data)
+                try:
+                    body = orjson.loads(data) if data else {}
+                except orjson.JSONDecodeError:
+                    body = {}
+                model, script = self._script(body if isinstance(body, dict) else {})
+                self.requests.append((number, model))
+                for step in script:
+                    if isinstance(step, (int, float)):
+                        await asyncio.sleep(step)
+                    else:
+                        writer.write(step)
+                        await writer.drain()
+                if model in self.close_after:
+                    return
+        except (ConnectionError, asyncio.CancelledError):
+            return  # the gateway went away, or the test is over (the server closing)
+        finally:
+            writer.close()
+
+
+@contextlib.asynccontextmanager
+async def serve_raw(upstream: RawUpstream) -> AsyncIterator[str]:
+    """Run `upstream` on an ephemeral loopback port; yields its base URL."""
+    port = await upstream.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        upstream.close()
+
+
+def http_answer(status: int, headers: Sequence[tuple[str, str]] = (), body: bytes = b"",
+                reason: str = "X") -> bytes:
+    """An HTTP/1.1 answer's bytes, exactly as given (no header added)."""
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers)
+    return f"HTTP/1.1 {status} {reason}\r\n{head}\r\n".encode() + body
 
 
 # -- hostile clients -------------------------------------------------------------------------

@@ -15,6 +15,7 @@ def test_defaults_are_safe_on_the_internet() -> None:
     assert s.idle_connection_timeout_s <= 75
     assert s.max_connections == 4096 and s.max_connections_per_client == 256
     assert s.max_event_bytes == 8 << 20 and s.max_response_bytes == 32 << 20
+    assert s.backlog == 4096
 
 
 def test_keys_parse_and_env_overrides_apply() -> None:
@@ -36,6 +37,7 @@ def test_keys_parse_and_env_overrides_apply() -> None:
     ({"body_timeout_s": "slow"}, {}, "server.body_timeout_s", "positive"),
     ({"max_event_bytes": 10}, {}, "server.max_event_bytes", ">= 1024"),
     ({"max_response_bytes": 1.5}, {}, "server.max_response_bytes", "integer"),
+    ({"backlog": 0}, {}, "server.backlog", "integer >= 1"),
     ({}, {"forward_headers": "OpenAI-Organization"}, "backends[0].forward_headers", "list"),
     ({}, {"deny_headers": ["bad: name"]}, "backends[0].deny_headers", "header names"),
 ])

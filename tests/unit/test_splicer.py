@@ -1,17 +1,18 @@
 """The relay's pure core: whatever the upstream's chunking and line endings, the client gets
 the upstream's bytes unchanged, less exactly the usage chunk the gateway asked for, and never
-more than HOLD_LIMIT bytes of an unfinished event are held back."""
+part of an unfinished event, however long."""
 from __future__ import annotations
 
 import itertools
 from unittest import mock
 
 import orjson
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from gateway.apis import chat, messages
 from gateway.exchange import Exchange
-from gateway.request.relay import HOLD_LIMIT, Splicer, splice
+from gateway.request.relay import JOIN_LIMIT, Splicer, splice
 from tests.support.stamps import StampedExchange
 
 ROLE = b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
@@ -35,7 +36,7 @@ def test_splice_is_the_bytes_outside_the_drops_up_to_the_cut(buf: bytes,
 
 
 def _chunks(stream: bytes, cuts: list[int]) -> list[bytes]:
-    points = sorted({c % (len(stream) + 1) for c in cuts} | {0, len(stream)})
+    points = sorted({c * 37 % (len(stream) + 1) for c in cuts} | {0, len(stream)})
     return [stream[a:b] for a, b in itertools.pairwise(points)]
 
 
@@ -44,22 +45,28 @@ def _run(stream: bytes, cuts: list[int], injected: bool) -> tuple[bytes, Exchang
     ex.stream, ex.usage_injected = True, injected
     splicer = Splicer(ex, chat.API)
     out = b"".join(splicer.feed(chunk, t) for t, chunk in enumerate(_chunks(stream, cuts), 1))
-    return out + splicer.pending, ex
+    return out + splicer.held_back(), ex
 
 
 @settings(max_examples=300, deadline=None)
 @given(n_tokens=st.integers(0, 6), eol=st.sampled_from([b"\n", b"\r\n", b"\r"]),
-       comments=st.booleans(), injected=st.booleans(),
+       comments=st.booleans(), injected=st.booleans(), padded=st.sampled_from([0, 3 * JOIN_LIMIT]),
        cuts=st.lists(st.integers(0, 10_000), max_size=12))
 def test_any_chunking_relays_the_stream_less_exactly_the_injected_usage_chunk(
-        n_tokens: int, eol: bytes, comments: bool, injected: bool, cuts: list[int]) -> None:
+        n_tokens: int, eol: bytes, comments: bool, injected: bool, padded: int,
+        cuts: list[int]) -> None:
+    """... with events of any size: `padded`, the role chunk and the usage chunk longer than
+    JOIN_LIMIT (whitespace in their JSON), so that they are held as parts."""
     def event(line: bytes) -> bytes:
         return line + eol + eol
 
-    parts = [event(ROLE)] + [event(TOKEN % i) for i in range(n_tokens)] + [event(FINAL)]
+    def pad(line: bytes) -> bytes:
+        return line[:-1] + b" " * padded + line[-1:]
+
+    parts = [event(pad(ROLE))] + [event(TOKEN % i) for i in range(n_tokens)] + [event(FINAL)]
     if comments:
         parts.insert(1, b": ping" + eol + eol)
-    usage = event(USAGE)
+    usage = event(pad(USAGE))
     stream = b"".join(parts) + usage + event(DONE)
     out, ex = _run(stream, cuts, injected)
     assert out == (stream.replace(usage, b"") if injected else stream)
@@ -82,14 +89,28 @@ def test_anthropic_event_lines_pass_untouched(cuts: list[int]) -> None:
     assert out == stream and ex.token_events == 1 and ex.done and ex.prompt_tokens == 5
 
 
-def test_an_unfinished_event_is_held_back_only_up_to_the_hold_limit() -> None:
+@pytest.mark.parametrize("injected", [False, True])
+def test_an_unfinished_event_is_held_back_whole_however_long(injected: bool) -> None:
+    """Past JOIN_LIMIT an unfinished event is held as its reads (no copy of it per read), and
+    none of it goes out before it ends: then all of it, in one piece, with what followed it
+    in that read — or none of it, when it is the usage chunk the gateway asked for."""
     ex = Exchange(chat.CHAT)
+    ex.usage_injected = injected
     splicer = Splicer(ex, chat.API)
-    assert splicer.feed(event_start := b'data: {"choices":[', 1) == b""
+    event_start = USAGE[:-2]
+    assert splicer.feed(event_start, 1) == b""
     assert splicer.pending == event_start
-    big = b"x" * (HOLD_LIMIT + 1)
-    out = splicer.feed(big, 2)
-    assert out == event_start + big and splicer.pending == b"" and splicer.partial_out
+    pad = b" " * (JOIN_LIMIT // 3)
+    for t in range(2, 6):  # past JOIN_LIMIT: the reads are kept as they came
+        assert splicer.feed(pad, t) == b""
+    assert splicer.pending == b"" and splicer.parts == [event_start + 3 * pad, pad]
+    assert splicer.held_size == len(event_start) + 4 * len(pad)
+    assert splicer.held_back() == event_start + 4 * pad
+    out = splicer.feed(USAGE[-2:] + b"\n\n" + TOKEN % 1, 6)
+    whole = event_start + 4 * pad + USAGE[-2:] + b"\n\n"
+    assert out == (b"" if injected else whole)
+    assert splicer.parts == [] and splicer.pending == TOKEN % 1  # the next event's start
+    assert ex.completion_tokens == 4
 
 
 _TEXTS = st.sampled_from(["x", " token", "", 'say "hi"', "a\\b", "é😀", "\n", "</s>"])
@@ -126,7 +147,7 @@ def test_the_token_shape_fast_path_stamps_what_parsing_every_event_would(
             splicer.shape_tries = 0
         reads = _chunks(stream, cuts) if cuts else [
             b"".join(parts[i:i + per_read]) for i in range(0, len(parts), per_read)]
-        out = b"".join(splicer.feed(c, t) for t, c in enumerate(reads, 1)) + splicer.pending
+        out = b"".join(splicer.feed(c, t) for t, c in enumerate(reads, 1)) + splicer.held_back()
         runs.append((out, ex.events, ex.token_events, ex.token_stamps, ex.t_first_token,
                      ex.t_first_visible, ex.t_last_token, ex.finish_reasons, ex.done,
                      ex.response_id))
