@@ -65,7 +65,8 @@ ADMISSION_WAIT = Duration(
     "`slogate_admission_queue_wait_seconds`, span `gateway.admission_wait`, log")
 RETRIES = Duration(
     "retries", "t_dispatched", "t_sent",
-    "an attempt failed before the one that answered (failed attempts and backoff)",
+    "an attempt failed before the one that answered (failed attempts and backoff), or the "
+    "wait before a first-token race's winning hedge",
     "log, TTFT stage `retries`", _retried)
 UPSTREAM_CONNECT = Duration(
     "upstream_connect", "t_connect_start", "t_connect_end",
