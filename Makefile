@@ -9,7 +9,7 @@ DURATION ?=
 STAMP := $(VENV)/.slogate-installed
 DEMO_STAMP := $(VENV)/.slogate-demo-installed
 
-.PHONY: demo lint test test-fast bench bench-slow bench-goodput bench-faults bench-workers deploy-generate soak serve sim system-deps clean
+.PHONY: demo lint test test-fast bench bench-slow bench-goodput bench-faults bench-workers deploy-generate soak soak-hostile serve sim system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -85,6 +85,12 @@ bench-faults: $(STAMP)
 # (SOAK_S=seconds, default 600).
 soak: $(STAMP)
 	SOAK_S=$${SOAK_S:-600} $(PY) -m benchmarks.soak --out bench-results
+
+# Hostile soak: the gateway in front of the simulator and a hostile upstream, 20 good streams
+# (byte-exact) and hostile clients at once; fails on a stream not byte-exact, RSS growth after
+# warm-up, RSS not back or descriptors not back (SOAK_S=seconds, default 300).
+soak-hostile: $(STAMP)
+	$(PY) -m benchmarks.soak_hostile --seconds $${SOAK_S:-300} --out bench-results
 
 serve: $(STAMP)
 	$(VENV)/bin/slogate serve --config gateway/examples/sim.toml

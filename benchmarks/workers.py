@@ -208,7 +208,7 @@ def render(results: dict[str, Any]) -> str:
              "| gateway CPU % | share of requests per worker | sim CPU % | load gen CPU % |",
              "|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for (w, n), ps in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        shares = sorted({k for p in ps for k in p["share"] if k != "dead"})
+        shares = sorted({k for p in ps for k in p["share"]})
         share = ", ".join(_cell([p["share"].get(k, 0.0) * 100 for p in ps], ".0f") + "%"
                           for k in shares)
         lines.append(

@@ -14,7 +14,8 @@ command becomes a small supervisor that
 - restarts a worker that exits while the host is serving (logged with its status, counted in
   `slogate_worker_restarts_total`; after an exit within a second of its start the next start
   waits, up to 30 s, so a crash loop does not spin), after freeing what the dead worker held: its
-  admission slots (SlotTable) and its gauges (its counters are folded into the host's);
+  admission slots (SlotTable) and its gauges (its counters are folded into the host's, so no
+  counter of the host's `/metrics` ever goes backwards: telemetry/aggregate.py);
 - on SIGTERM / SIGINT, sends SIGTERM to every worker, each of which drains as a single gateway
   does (readiness 503, readiness grace, stop listening, drain_timeout_s, then error events), and
   exits 0 once all have.
@@ -94,6 +95,8 @@ class WorkerContext:
     count: int
     supervisor: int = 0  # its pid: a worker whose parent is another one is orphaned
     table: SlotTable | None = field(default=None, repr=False)
+    # this process in the files it publishes (a restarted worker is another source)
+    source: str = field(default_factory=aggregate.source_id, repr=False, compare=False)
 
     @classmethod
     def parse(cls, spec: str) -> WorkerContext:
@@ -150,11 +153,12 @@ class WorkerContext:
                 min(per_client, math.ceil(share)) if per_client else 0)
 
     def exposition(self, registry: Any, encoder: Any) -> bytes:
-        return aggregate.host_exposition(registry, self.index, self.metrics_dir, encoder)
+        return aggregate.host_exposition(registry, self.index, self.metrics_dir, encoder,
+                                         self.source)
 
     def publish(self, registry: Any, admission: dict[str, Any] | None) -> None:
         aggregate.publish(self.metrics_dir, aggregate.worker_file(self.index),
-                          aggregate.snapshot(registry))
+                          aggregate.snapshot(registry, self.source))
         aggregate.publish(self.admission_dir, f"w{self.index}.json", orjson.dumps(
             {"worker": self.index, "pid": os.getpid(), "t": time.time(),
              "admission": admission}))
@@ -313,7 +317,7 @@ class Supervisor:
 
     def _reap(self, w: _Worker) -> None:
         """What a dead worker held goes back: its admission slots, its gauges; its counters
-        stay (folded into dead.om)."""
+        stay (folded into dead.json)."""
         freed = self.table.clear_worker(w.index)
         if freed:
             log.info("worker %d: freed its admission slots %s", w.index, freed)

@@ -4,7 +4,12 @@ The upstream misbehaves by the model name it is asked for:
   flood-line       200 event stream: `data: ` and then bytes without a newline, for ever
   flood-prefirst   200 event stream: role-only chunks (no token), for ever
   flood-after      200 event stream: one token, then a line without a newline, for ever
+  flood-json       200 JSON (not compressed) that never ends: an answer over any size limit
+  huge-event       200 event stream: one token, then one whole event of 16 MiB (terminated)
   bomb             200 JSON, gzip: ~0.4 MB on the wire, 400 MB inflated
+  slow-headers     a status line, then one header trickled a byte per 100 ms, never ended
+  reset-before     a TCP reset instead of an answer
+  reset-after      200 event stream: one token, then a TCP reset
   redirect         307 to another origin (TRAP counts who follows it, with which headers)
   cookie           200 JSON with Set-Cookie / openai-organization / openai-project, and records
                    the request headers it got
@@ -12,11 +17,17 @@ Every "for ever" stops once the gateway stops reading (or after `cap` bytes).
 
 What no HTTP server library would send (a 101, a 204 with a body, oversized headers, a body
 shorter than its Content-Length) comes from `RawUpstream`: exact bytes on a bare socket.
+
+`python -m tests.support.hostile --port P` serves it (and its trap) as a process of its own;
+GET /health answers once it is ready.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import socket
+import struct
 import zlib
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
@@ -54,6 +65,16 @@ def trap_app() -> web.Application:
     return app
 
 
+def reset(request: web.Request) -> None:
+    """Close the connection with a TCP reset (SO_LINGER 0), not a FIN."""
+    transport = request.transport
+    assert transport is not None
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
 def hostile_app(trap_url: str, cap: int = 256 << 20) -> web.Application:
     app = web.Application(client_max_size=1 << 20)
     app[SEEN] = []
@@ -79,6 +100,26 @@ def hostile_app(trap_url: str, cap: int = 256 << 20) -> web.Application:
         if model == "bomb":
             return web.Response(body=bomb, headers={
                 "Content-Type": "application/json", "Content-Encoding": "gzip"})
+        if model == "reset-before":
+            reset(request)
+            raise ConnectionResetError("reset on purpose")
+        if model == "slow-headers":
+            transport = request.transport
+            assert transport is not None
+            transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nX-Slow: ")
+            for _ in range(600):  # a minute of it, unless the gateway gives up first
+                if transport.is_closing():
+                    break
+                transport.write(b"a")
+                await asyncio.sleep(0.1)
+            reset(request)
+            raise ConnectionResetError("trickled on purpose")
+        if model == "flood-json":
+            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await resp.prepare(request)
+            await endless(resp, b'{"id":"h","object":"chat.completion","x":"', chunk_64k)
+            await resp.write_eof()
+            return resp
         if model == "cookie":
             app[SEEN].append(dict(request.headers))
             return web.Response(body=orjson.dumps({"id": "c", "object": "chat.completion",
@@ -95,11 +136,25 @@ def hostile_app(trap_url: str, cap: int = 256 << 20) -> web.Application:
                 await endless(resp, b"", role * 512)
             elif model == "flood-after":
                 await endless(resp, role + token + b"data: ", chunk_64k)
+            elif model == "huge-event":
+                await resp.write(role + token + b'data: {"x":"')
+                for _ in range(256):  # 16 MiB, then the event's end
+                    await resp.write(chunk_64k)
+                await resp.write(b'"}\n\n')
+            elif model == "reset-after":
+                await resp.write(role + token)
+                await asyncio.sleep(0.01)
+                reset(request)
+                return resp
         except (ConnectionResetError, asyncio.CancelledError):
             raise
         await resp.write_eof()
         return resp
 
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    app.router.add_get("/health", health)
     app.router.add_post("/{tail:.*}", handler)
     return app
 
@@ -195,6 +250,24 @@ def http_answer(status: int, headers: Sequence[tuple[str, str]] = (), body: byte
     head = "".join(f"{k}: {v}\r\n" for k, v in headers)
     return f"HTTP/1.1 {status} {reason}\r\n{head}\r\n".encode() + body
 
+def main(argv: list[str] | None = None) -> None:
+    """Serve the hostile upstream (and its trap) on --port until killed."""
+    from tests.support.servers import serve_app
+
+    parser = argparse.ArgumentParser(description="a hostile upstream (tests/support/hostile.py)")
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args(argv)
+
+    async def serve() -> None:
+        trap = trap_app()
+        async with serve_app(trap) as trap_url:
+            app = hostile_app(trap_url)
+            app[TRAP] = trap
+            async with serve_app(app, port=args.port):
+                await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
 
 # -- hostile clients -------------------------------------------------------------------------
 
@@ -258,6 +331,66 @@ async def body_never_arrives(host: str, port: int, key: str, timeout: float = 10
         + b'{"model":', timeout)
 
 
+async def oversized_body(host: str, port: int, key: str, size: int,
+                         chunked: bool = False, timeout: float = 10.0) -> bytes:
+    """A request whose body is `size` bytes: announced by Content-Length (and 64 KiB of it
+    sent), or sent chunked, 64 KiB at a time, until the server answers or closes."""
+    head = ("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {key}\r\n")
+    if not chunked:
+        return await raw_exchange(host, port, (head + f"Content-Length: {size}\r\n\r\n")
+                                  .encode() + b"x" * 65536, timeout)
+    r, w = await asyncio.open_connection(host, port)
+    reader = asyncio.ensure_future(r.read())
+    try:
+        async with asyncio.timeout(timeout):
+            w.write((head + "Transfer-Encoding: chunked\r\n\r\n").encode())
+            chunk = b"10000\r\n" + b"x" * 65536 + b"\r\n"
+            for _ in range(0, size, 65536):
+                if reader.done():
+                    break
+                try:
+                    w.write(chunk)
+                    await w.drain()
+                except ConnectionError:
+                    break
+            try:
+                return await reader
+            except ConnectionResetError:
+                return RESET
+    finally:
+        reader.cancel()
+        w.close()
+
+
+async def slow_body(host: str, port: int, key: str, every_s: float = 0.2,
+                    timeout: float = 10.0) -> bytes:
+    """An authenticated request whose 1000-byte body is trickled a byte per `every_s`."""
+    r, w = await asyncio.open_connection(host, port)
+    reader = asyncio.ensure_future(r.read())
+    try:
+        async with asyncio.timeout(timeout):
+            w.write(("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     "Content-Type: application/json\r\n"
+                     f"Authorization: Bearer {key}\r\nContent-Length: 1000\r\n\r\n").encode())
+            for _ in range(1000):
+                if reader.done():
+                    break
+                try:
+                    w.write(b" ")
+                    await w.drain()
+                except ConnectionError:
+                    break
+                await asyncio.wait([reader], timeout=every_s)
+            try:
+                return await reader
+            except ConnectionResetError:
+                return RESET
+    finally:
+        reader.cancel()
+        w.close()
+
+
 def status_of(raw: bytes) -> int:
     return int(raw.split(b" ", 2)[1]) if raw.startswith(b"HTTP/") else 0
 
@@ -266,3 +399,7 @@ def body_of(raw: bytes) -> bytes:
     return raw.partition(b"\r\n\r\n")[2]
 
 
+
+
+if __name__ == "__main__":
+    main()

@@ -13,6 +13,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -126,11 +127,103 @@ def test_merge_sums_counters_and_histograms_and_keeps_per_worker_gauges(tmp_path
     assert v[("slogate_backend_breaker_state", (("backend", "b"), ("worker", "1")))] == 1
     assert ("slogate_backend_breaker_state", (("backend", "b"), ("worker", "2"))) not in v
     assert v[("slogate_worker_requests_total", (("worker", "0"),))] == 1
-    assert v[("slogate_worker_requests_total", (("worker", "dead"),))] == 3
+    assert v[("slogate_worker_requests_total", (("worker", "2"),))] == 3  # its index keeps it
     # OpenMetrics keeps exemplars through the merge
     om = aggregate.host_exposition(ms[0].registry, 0, str(d),
                                    aggregate.render_openmetrics).decode()
     assert 'trace_id="t0"' in om and 'trace_id="t2"' in om
+
+
+def test_a_merged_sum_is_the_same_whichever_worker_answers_and_after_a_fold(
+        tmp_path: Path) -> None:
+    """Float sums depend on their order (1 + 2^-53 + 2^-53 is 1, 2^-53 + 2^-53 + 1 is not):
+    a histogram's _sum must come out the same from every worker, and after a worker's fold,
+    or Prometheus sees the smaller one as a counter reset."""
+    d = tmp_path / "metrics"
+    d.mkdir()
+    labels = ("b", "m", "/v1/chat/completions", "interactive")
+    ms = [Metrics([0.5], ["interactive"], ["b"]) for _ in range(3)]
+    for m, value in zip(ms, (2.0 ** -53, 2.0 ** -53, 1.0), strict=True):
+        m.ttft.observe(labels, value)
+    hl = (("backend", "b"), ("model", "m"), ("route", "/v1/chat/completions"),
+          ("slo_class", "interactive"))
+
+    def ttft_sum(index: int) -> float:
+        for i, m in enumerate(ms):
+            if i != index:
+                aggregate.publish(d, aggregate.worker_file(i), aggregate.snapshot(m.registry))
+        v = _values(aggregate.host_exposition(ms[index].registry, index, str(d),
+                                              generate_latest).decode())
+        return v[("slogate_time_to_first_token_seconds_sum", hl)]
+
+    exact = 1.0 + 2.0 ** -52
+    assert [ttft_sum(i) for i in range(3)] == [exact] * 3
+    # Workers 0 and 2 die (dead.json: 2^-53, then 1; rounded, that would be 1 and the host's
+    # sum 1 once worker 1 is added); their successors have observed nothing yet.
+    for i in (0, 2):
+        aggregate.fold_dead(str(d), i)
+        ms[i] = Metrics([0.5], ["interactive"], ["b"])
+        assert [ttft_sum(i) for i in range(3)] == [exact] * 3
+
+
+def _die_and_fold(directory: str, incarnations: int, q: object) -> None:
+    """Worker 1 over and over: publish a few growing snapshots, die, be folded (the
+    supervisor's part), and come back as a new process; reports how many requests it made."""
+    import random
+
+    rng = random.Random(7)
+    labels = ("b", "m", "/v1/chat/completions", "interactive")
+    total = 0
+    for k in range(incarnations):
+        m = Metrics([0.5], ["interactive"], ["b"])
+        for _ in range(rng.randint(1, 4)):
+            for _ in range(rng.randint(1, 5)):
+                m.requests.labels("b", "m", "/v1/chat/completions", "ok").inc()
+                m.ttft.observe(labels, rng.random() / 3)  # sums that round differently
+                total += 1
+            aggregate.publish(directory, aggregate.worker_file(1),
+                              aggregate.snapshot(m.registry, f"w1-{k}"))
+        aggregate.fold_dead(directory, 1)
+    q.put(total)  # type: ignore[attr-defined]
+
+
+def test_a_scrape_never_goes_backwards_while_workers_die_and_are_folded(tmp_path: Path) -> None:
+    """A reader (worker 0 answering scrapes) against a process that plays worker 1 dying 300
+    times and the supervisor folding it: whenever the fold lands in a read, no counter or
+    histogram sample goes down, and at the end the host counts every request once."""
+    d = tmp_path / "metrics"
+    d.mkdir()
+    own = Metrics([0.5], ["interactive"], ["b"])
+    own_requests = own.requests.labels("b", "m", "/v1/chat/completions", "ok")
+    labels = ("b", "m", "/v1/chat/completions", "interactive")
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    writer = ctx.Process(target=_die_and_fold, args=(str(d), 300, q))
+    writer.start()
+    last: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    decreases, scrapes = [], 0
+    while True:
+        done = not writer.is_alive()
+        own_requests.inc()
+        own.ttft.observe(labels, 0.1 + scrapes % 7 / 70)
+        v = _values(aggregate.host_exposition(own.registry, 0, str(d), generate_latest,
+                                              "w0").decode())
+        scrapes += 1
+        for key, value in v.items():
+            if key[0].endswith(("_total", "_bucket", "_count", "_sum")) and \
+                    value < last.get(key, 0.0):
+                decreases.append((key, last[key], value))
+            last[key] = value
+        if done:
+            break
+    writer.join(10)
+    made = q.get(timeout=10)
+    req = ("slogate_requests_total", (("backend", "b"), ("model", "m"), ("outcome", "ok"),
+                                      ("route", "/v1/chat/completions")))
+    assert scrapes > 50
+    assert not decreases, decreases[:10]
+    assert v[req] == made + own_requests.value
+    assert v[("slogate_worker_requests_total", (("worker", "1"),))] == made
 
 
 def test_workers_argument() -> None:
@@ -509,3 +602,158 @@ def test_a_worker_stuck_in_shutdown_exits_with_its_stacks() -> None:
     assert r.returncode == 1 and time.monotonic() - t0 < 10
     assert "worker 3: still shutting down after 0 s" in r.stderr
     assert "time.sleep" in r.stderr or "<string>" in r.stderr  # the stuck stack
+
+
+# -- counters across a worker's death --------------------------------------------------------
+
+Series = tuple[str, tuple[tuple[str, str], ...]]
+
+
+class Scraper:
+    """Scrapes the host's /metrics, each time on a new connection (so every worker answers
+    some), and records every counter or histogram sample that went down from one scrape to
+    the next (a counter reset to Prometheus)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.scrapes = 0
+        self.last: dict[Series, float] = {}
+        self.decreases: list[tuple[int, Series, float, float]] = []
+        self.series: set[Series] = set()
+
+    async def scrape(self, s: aiohttp.ClientSession) -> dict[Series, float]:
+        async with s.get(self.url + "/metrics", headers={"Connection": "close"}) as r:
+            text = await r.text()
+        now: dict[Series, float] = {}
+        for fam in text_string_to_metric_families(text):
+            if fam.type not in ("counter", "histogram", "summary"):
+                continue
+            for smp in fam.samples:
+                if smp.name.endswith("_created"):
+                    continue
+                key = (smp.name, tuple(sorted(smp.labels.items())))
+                now[key] = smp.value
+                before = self.last.get(key)
+                if before is not None and smp.value < before:
+                    self.decreases.append((self.scrapes, key, before, smp.value))
+        for key in self.last.keys() - now.keys():  # a counter series that vanished
+            self.decreases.append((self.scrapes, key, self.last[key], 0.0))
+        self.last.update(now)
+        self.series |= now.keys()
+        self.scrapes += 1
+        return now
+
+    async def run(self, stop: asyncio.Event) -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+            while not stop.is_set():
+                await self.scrape(s)
+                await asyncio.sleep(0.02)
+
+
+def _requests_total(v: dict[Series, float]) -> float:
+    return sum(n for (name, _l), n in v.items() if name == "slogate_requests_total")
+
+
+async def test_counters_never_go_backwards_when_a_worker_is_killed() -> None:
+    """Scrapes every 20 ms (each answered by either worker) while streams run and a worker is
+    SIGKILLed twice: once in the middle of a load of short streams, once while it holds long
+    streams (and has nothing finished that it has not published). No counter or histogram
+    sample ever goes down; the dead worker's gauges go; after the second kill the host's
+    request count grows by exactly the requests the clients saw completed."""
+    async with host(2) as h:
+        served = 0
+        loading = asyncio.Event()
+
+        async def client() -> None:
+            nonlocal served
+            while loading.is_set():
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    r = await h.stream(4)
+                    served += r["status"] == 200 and r["done"]
+
+        async def load(seconds: float, during: float | None = None) -> None:
+            loading.set()
+            clients = [asyncio.create_task(client()) for _ in range(6)]
+            if during is not None:
+                await asyncio.sleep(during)
+                await kill(busiest=False)
+                seconds -= during
+            await asyncio.sleep(seconds)
+            loading.clear()
+            await asyncio.gather(*clients)
+
+        async def workers() -> dict[str, Any]:
+            return (await h.admission())["host"]["by_worker"]
+
+        restarts = 0
+
+        async def kill(busiest: bool) -> int:
+            nonlocal restarts
+            view = await workers()
+            slots = (await h.admission())["host"]["slots"]["backend:sim"]["by_worker"]
+            victim = max(range(2), key=lambda i: slots[i]) if busiest else restarts % 2
+            pid = view[str(victim)]["pid"]
+            os.kill(pid, signal.SIGKILL)
+            restarts += 1
+
+            async def back() -> bool:
+                w = await workers()
+                return str(victim) in w and w[str(victim)]["pid"] != pid
+
+            await wait_until(back, 15, interval=0.1, what="the killed worker restarted")
+            return victim
+
+        stop = asyncio.Event()
+        scraper = Scraper(h.gw.url)
+        scraping = asyncio.create_task(scraper.run(stop))
+        try:
+            # 1. A kill in the middle of a load: what the victim counted since its last
+            # publish (at most a second's worth) is lost, but no counter goes down.
+            await load(4.0, during=1.5)
+            async with aiohttp.ClientSession() as s:
+                async def settled() -> float | None:
+                    a = _requests_total(await scraper.scrape(s))
+                    await asyncio.sleep(1.2)  # > the publish interval
+                    b = _requests_total(await scraper.scrape(s))
+                    return b if a == b else None
+
+                base = await wait_until(settled, 15, interval=0.1, what="the count settled")
+            lost = served - base
+            assert 0 <= lost <= 40, (served, base)
+            served_before = served
+            # 2. Long streams on both workers, nothing else finishing: then a kill loses
+            # nothing that any client saw completed.
+            longs = [asyncio.create_task(h.stream(150)) for _ in range(CAP)]
+
+            async def busy() -> bool:
+                return await h.at_sim() == CAP
+
+            await wait_until(busy, 10, interval=0.02, what="the long streams at the sim")
+            await asyncio.sleep(1.3)  # every worker has published what it finished
+            victim = await kill(busiest=True)
+            for r in await asyncio.gather(*longs, return_exceptions=True):
+                served += isinstance(r, dict) and r["status"] == 200 and r["done"]
+            await load(2.0)
+
+            async def exact() -> bool:
+                return _requests_total(await h.metrics()) - base == served - served_before
+
+            await wait_until(exact, 5, interval=0.1,
+                             what=lambda: f"{served - served_before} requests counted")
+        finally:
+            stop.set()
+            await scraping
+        print(f"\n{scraper.scrapes} scrapes, {len(scraper.decreases)} decreases")
+        assert scraper.scrapes > 100
+        assert not scraper.decreases, scraper.decreases[:20]
+        v = await h.metrics()
+        assert v[("slogate_worker_restarts_total", ())] == 2
+        per_worker = {dict(lab)["worker"]: n for (name, lab), n in v.items()
+                      if name == "slogate_worker_requests_total"}
+        assert set(per_worker) == {"0", "1"}, per_worker  # the dead are in their index's
+        assert sum(per_worker.values()) == _requests_total(v)
+        starts = {dict(lab).get("worker") for (name, lab) in v
+                  if name == "process_start_time_seconds"}
+        assert starts == {"0", "1"}  # one per live worker: the dead ones' gauges are gone
+        print(f"{scraper.scrapes} scrapes, {len(scraper.series)} counter series; "
+              f"served {served}, lost to the kill mid-load {lost}; victim {victim}")
