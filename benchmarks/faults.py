@@ -57,7 +57,7 @@ def free_port() -> int:
 def gateway_toml(urls: dict[str, str], hedge: float | str | None) -> str:
     after = "" if hedge is None else f"hedge_after_ms = {json.dumps(hedge)}"
     backends = "".join(f'[[backends]]\nname = "{n}"\nbase_url = "{u}/v1"\nmodels = ["m"]\n'
-                       for n, u in urls.items())
+                       'forward_headers = ["x-sim-output-tokens"]\n' for n, u in urls.items())
     return f"""
 [auth]
 mode = "open"

@@ -1170,7 +1170,8 @@ def fairness_toml(host: str, port: int, sim_port: int, classes: dict[str, SloCla
             if name == "a":
                 out += f"requests_per_minute = {quota_a_rpm}\n"
     out += (f'\n[[backends]]\nname = "sim"\ntype = "openai"\n'
-            f'base_url = "http://{host}:{sim_port}/v1"\nmodels = ["*"]\n')
+            f'base_url = "http://{host}:{sim_port}/v1"\nmodels = ["*"]\n'
+            'forward_headers = ["x-sim-*"]\n')
     return out
 
 

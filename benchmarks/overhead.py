@@ -886,7 +886,9 @@ def gateway_config(host: str, port: int, sim_port: int, pool: int, extra: str,
     server = f'[server]\nhost = "{host}"\nport = {port}\naccess_log = false\n{server_extra}\n'
     auth = '[auth]\nmode = "open"\n\n'
     backend = (f'[[backends]]\nname = "sim"\ntype = "openai"\n'
-               f'base_url = "http://{host}:{sim_port}/v1"\nmodels = ["*"]\npool_size = {pool}\n')
+               f'base_url = "http://{host}:{sim_port}/v1"\nmodels = ["*"]\npool_size = {pool}\n'
+               # the requests force their lengths with x-sim-output-tokens
+               'forward_headers = ["x-sim-*"]\n')
     candidates = [server + auth + backend + extra, server + backend + extra]
     try:
         import tomllib

@@ -153,6 +153,7 @@ failures = 1000000
 name = "sim"
 base_url = "{sim_url}/v1"
 models = ["m"]
+forward_headers = ["x-sim-*"]  # the faults are injected per request
 """)
     logs = out / "soak-logs"
     logs.mkdir(parents=True, exist_ok=True)

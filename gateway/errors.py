@@ -25,6 +25,9 @@ UPSTREAM_TRUNCATED = "upstream_truncated"
 GATEWAY_ERROR = "gateway_error"
 TIMEOUT = "timeout"  # a deadline ended it
 REJECTED = "rejected"  # refused by the gateway before any upstream work (bad request, no backend)
+# The error code of a request refused because its tenant's own requests keep failing on every
+# replica that could serve it while other tenants' succeed (upstream/health.py's holds).
+TENANT_HELD = "tenant_held"
 
 # -- why the watchdog ended a request (error_type, stream_interruptions_total{reason}) ---------
 FIRST_TOKEN = "first_token_timeout"

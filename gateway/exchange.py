@@ -57,7 +57,8 @@ class Attempt:
     upstream_model: str
     timeouts: Timeouts
     provider: Provider
-    probe: bool = False  # it holds its replica's half-open probe (the breaker's one trial)
+    probe: bool = False  # it holds a probe of its replica's breaker (a trial of its health)
+    tenant: str = ""  # whose request (the bounded label): the breaker judges each tenant apart
     t_sent: int = 0
     t_end: int = 0
     result: str = ""  # upstream_attempts_total{result} once decided

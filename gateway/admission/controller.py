@@ -363,23 +363,25 @@ class AdmissionController:
     def _loads_for(self, ctx: Exchange, family: str,
                    models: Sequence[str]) -> tuple[str, list[ReplicaLoad]]:
         """The model to admit against: the requested one, else the first fallback the key may
-        use that has an available replica. 404 when nothing serves the model; 503
-        no_healthy_backend (with the breakers' Retry-After) when nothing is available."""
+        use that has a replica available to its tenant. 404 when nothing serves the model;
+        503 no_healthy_backend (with the breakers' Retry-After) when nothing is available, or
+        tenant_held when only this tenant is held off them (its own failures)."""
         chain = list(models) or [ctx.model or ""]
         first: list[ReplicaLoad] | None = None
         for model in chain:
             loads = [self.load_of(r) for r in self.router.replicas_for(model, family)]
             if first is None:
                 first = loads
-            if any(load.replica.available() for load in loads):
+            if any(load.replica.available(ctx.tenant_label) for load in loads):
                 return model, loads
         if not first:
             raise GatewayError(404, f"The model '{ctx.model}' does not exist or is not served "
                                "by this gateway.", "model_not_found", param="model")
         down = list({r.name: r for m in chain for r in self.router.replicas_for(m, family)
                      if hasattr(r, "breaker")}.values())  # each replica once, across the chain
-        self._decided(ctx, REJECTED, "no_healthy_backend")
-        raise no_healthy_backend(ctx.model or "", down)
+        refusal = no_healthy_backend(ctx.model or "", down, ctx.tenant_label)
+        self._decided(ctx, REJECTED, refusal.code)
+        raise refusal
 
     async def admit(self, ctx: Exchange, family: str, body_bytes: int,
                     prefix: bytes | None, models: Sequence[str] = (),
@@ -473,7 +475,7 @@ class AdmissionController:
         ok: list[tuple[float, ReplicaLoad]] = []
         why = "no_capacity"
         for load in loads:
-            if not load.replica.available():
+            if not load.replica.available(ctx.tenant_label):
                 continue
             if load.in_flight >= load.limit():
                 why = "concurrency_cap"
@@ -527,7 +529,8 @@ class AdmissionController:
             return None  # the global slot needs an await: not worth it for a probe
         now = self.clock() / 1e9
         for load in loads:
-            if (load.in_flight == 0 and load.engine_waiting == 0 and load.replica.available()
+            if (load.in_flight == 0 and load.engine_waiting == 0
+                    and load.replica.available(ctx.tenant_label)
                     and now - load.last_probe >= PROBE_INTERVAL_S and not len(self.fair)):
                 load.last_probe = now
                 est = load.est

@@ -565,11 +565,13 @@ def _continuation(where: str, table: dict[str, Any]) -> str:
 
 
 def _header_names(where: str, table: dict[str, Any], key: str) -> tuple[str, ...]:
+    """Header names, lower-cased; `x-sim-*` (a trailing `*`) names a prefix."""
     names = table.get(key, [])
     if not isinstance(names, list) or not all(
-            isinstance(n, str) and n and n.isascii() and ":" not in n for n in names):
+            isinstance(n, str) and n.rstrip("*") and n.isascii() and ":" not in n
+            and "*" not in n[:-1] for n in names):
         raise ConfigError(f"{where}.{key}", names, 'a list of header names such as '
-                          '["OpenAI-Organization"]')
+                          '["OpenAI-Organization"], or prefixes such as ["x-sim-*"]')
     return tuple(n.lower() for n in names)
 
 

@@ -98,7 +98,9 @@ class RetryPolicy:
 
 @dataclass(frozen=True)
 class BreakerPolicy:
-    failures: int = 5  # consecutive failures (errors, timeouts) that open a replica's breaker
+    # Failures (errors, timeouts) in a row that open a replica's breaker; one tenant's own
+    # failures alone hold only that tenant off it (upstream/health.py).
+    failures: int = 5
     cooldown_s: float = 10.0  # then one half-open probe request decides
 
 

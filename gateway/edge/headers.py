@@ -42,6 +42,19 @@ _CONTROL_PREFIXES = ("x-slogate-", "x-slo-")
 ACCOUNT_HEADERS = frozenset({"openai-organization", "openai-project"})
 _FORWARDING = frozenset({"forwarded", "x-real-ip"})
 _FORWARDING_PREFIX = "x-forwarded-"
+# What engines (and the simulator) obey as instructions rather than metadata: dropped unless
+# the backend lists them in forward_headers.
+ENGINE_CONTROL = frozenset({
+    "x-data-parallel-rank",  # vLLM, SGLang: run on this data-parallel rank
+    "x-prefiller-host-port",  # llm-d's P/D sidecar: prefill on this host
+    "x-worker-instance-id",  # NVIDIA Dynamo: run on this worker
+})
+ENGINE_CONTROL_PREFIXES = (
+    "x-sim-",  # the simulator: faults (status, stall, cut, error), provider flavour, lengths
+    "x-gateway-",  # Gateway API Inference Extension: destination endpoint, objective, fairness id
+    "x-llm-d-",  # llm-d: inference objective (priority)
+    "x-dynamo-",  # NVIDIA Dynamo: routing mode
+)
 
 # Never forwarded to the client: framing and encoding we redo, headers aiohttp sets itself, and
 # the upstream account's cookies and identity.
@@ -59,14 +72,20 @@ def _connection_listed(headers: CIMultiDictProxy[str]) -> set[str]:
 
 
 def _policy_dropped(low: str) -> bool:
-    return low in ACCOUNT_HEADERS or low in _FORWARDING or low.startswith(_FORWARDING_PREFIX)
+    return (low in ACCOUNT_HEADERS or low in _FORWARDING or low.startswith(_FORWARDING_PREFIX)
+            or low in ENGINE_CONTROL or low.startswith(ENGINE_CONTROL_PREFIXES))
+
+
+def listed(low: str, names: tuple[str, ...]) -> bool:
+    """Is the (lower-case) header in a forward/deny list? A name ending in `*` is a prefix."""
+    return any(low.startswith(n[:-1]) if n.endswith("*") else low == n for n in names)
 
 
 def upstream_request_headers(client: CIMultiDictProxy[str], *, forward_auth: bool,
                              forward: Iterable[str] = (), deny: Iterable[str] = ()
                              ) -> CIMultiDict[str]:
-    """`forward`: headers this policy drops that the backend wants anyway (lower-case);
-    `deny`: headers it forwards that the backend must not get."""
+    """`forward`: headers this policy drops that the backend wants anyway (lower-case, a
+    trailing `*` for a prefix); `deny`: headers it forwards that the backend must not get."""
     keeps = _upstream_policy(forward_auth, tuple(forward), tuple(deny))
     drop = _connection_listed(client) if "connection" in client else None
     out: CIMultiDict[str] = CIMultiDict()
@@ -94,11 +113,11 @@ def _upstream_policy(forward_auth: bool, forward: tuple[str, ...],
 
 def _keeps_upstream(low: str, forward_auth: bool, forward: tuple[str, ...],
                     deny: tuple[str, ...]) -> bool:
-    if low.startswith(_CONTROL_PREFIXES) or low in {h.lower() for h in deny}:
+    if low.startswith(_CONTROL_PREFIXES) or listed(low, deny):
         return False
     if low in _NOT_UPSTREAM and not (forward_auth and low in ("authorization", "x-api-key")):
         return False
-    return not _policy_dropped(low) or low in {h.lower() for h in forward}
+    return not _policy_dropped(low) or listed(low, forward)
 
 
 # Whole answers: a browser that opens one renders it as inert text in an opaque origin.

@@ -168,9 +168,13 @@ class Routes:
 
 def backend_health(router: Router) -> dict[str, Any]:
     """What /admin/backends answers: each model's available replicas, each replica's breaker
-    and active-check state."""
+    (open on one tenant's failures alone: `opened_by`; tenants its own failures hold off:
+    `held_tenants`) and active-check state."""
     states = {0: "closed", 1: "half_open", 2: "open"}
     replicas = {r.name: {"models": list(r.cfg.models), "breaker": states.get(r.breaker.state),
+                         "opened_by": r.breaker.opened_by if r.breaker.state else None,
+                         "held_tenants": sorted(t for t in r.breaker.holds
+                                                if r.breaker.held(t)),
                          "healthy": r.healthy, "available": r.available(),
                          "retry_after_s": round(r.breaker.retry_after_s(), 3)}
                 for r in router.replicas}

@@ -79,7 +79,6 @@ from gateway.timeline import now_ns
 from gateway.transport import client as upstream
 from gateway.transport.client import UpstreamResponse
 from gateway.transport.connector import CONNECTING
-from gateway.upstream.health import HALF_OPEN
 
 if TYPE_CHECKING:
     from gateway.admission.controller import AdmissionController
@@ -371,7 +370,7 @@ class Proxy:
         if ex.attempt is not None:
             tried.append(ex.attempt.replica)
         return [r for m in self._model_chain(ex) for r in self.router.replicas_for(m, api.family)
-                if r not in tried and r.healthy and r.available() and self._may_send(ex, m, r)]
+                if r not in tried and r.available(ex.tenant_label) and self._may_send(ex, m, r)]
 
     async def attempt(self, ex: Exchange, request: web.Request, watchdog: Watchdog,
                       overrides: DeadlineOverrides, prefer: Replica | None = None,
@@ -421,12 +420,12 @@ class Proxy:
             # The client left (or a bug of ours): that says nothing about the replica, but a
             # half-open probe this attempt held must go to the next request.
             if attempt.probe:
-                replica.breaker.release()
+                replica.breaker.release(attempt.tenant)
             raise
         result = committed_result(ex)
         self._count(replica, result, continuing)
         if result == ATTEMPT_OK:
-            replica.breaker.success()
+            replica.breaker.success(attempt.tenant)
         else:
             backends_fault = ex.status >= 500 or (
                 result in BACKEND_FAULTS and not failures.request_error_type(ex.error_type))
@@ -553,13 +552,14 @@ class Proxy:
 
     @staticmethod
     def _judge(attempt: Attempt, failed: bool, cause: str) -> None:
-        """A failure that says something about the replica goes to its breaker; anything
-        else (a rate limit, the request's own 4xx, a deadline the client tightened) leaves it
-        as it was, but a half-open probe this attempt held goes to the next request."""
+        """A failure that says something about the replica goes to its breaker, with the
+        tenant it happened to (one tenant's failures alone are that tenant's); anything else
+        (a rate limit, the request's own 4xx, a deadline the client tightened) leaves it as it
+        was, but a probe this attempt held goes to the next request."""
         if failed:
-            attempt.replica.breaker.failure(cause)
+            attempt.replica.breaker.failure(cause, attempt.tenant)
         elif attempt.probe:
-            attempt.replica.breaker.release()
+            attempt.replica.breaker.release(attempt.tenant)
 
     def _model_chain(self, ex: Exchange) -> list[str]:
         """The requested model, then its fallbacks that the key may use, in order. Once a
@@ -609,12 +609,13 @@ class Proxy:
         if continuing:
             ticket = None  # admission's replica may not continue; the chain below decides
         if (prefer is not None and prefer.healthy and ex.served_model is not None
-                and self._may_send(ex, ex.served_model, prefer) and prefer.breaker.acquire()):
+                and self._may_send(ex, ex.served_model, prefer)
+                and prefer.breaker.acquire(ex.tenant_label)):
             served = ex.served_model
             chosen = prefer, prefer.cfg.aliases.get(served, served)
         elif (ticket is not None and ticket.replica not in tried and ticket.replica.healthy
                 and self._may_send(ex, ticket.model, ticket.replica)
-                and ticket.replica.breaker.acquire()):
+                and ticket.replica.breaker.acquire(ex.tenant_label)):
             served = ticket.model
             chosen = ticket.replica, ticket.replica.cfg.aliases.get(served, served)
         else:
@@ -629,7 +630,8 @@ class Proxy:
                                  if not self._may_send(ex, name, r)
                                  or (continuing and r.cfg.continuation != "prefill")]
                     try:
-                        chosen = self.router.pick(name, api.family, [*exclude, *forbidden])
+                        chosen = self.router.pick(name, api.family, [*exclude, *forbidden],
+                                                  ex.tenant_label)
                         served = name
                         break
                     except GatewayError as e:
@@ -653,7 +655,8 @@ class Proxy:
         if ticket is not None:
             ticket.move(replica)
         attempt = Attempt(replica, upstream_model, overrides.apply(replica.cfg.timeouts),
-                          replica.provider, probe=replica.breaker.state == HALF_OPEN)
+                          replica.provider, probe=replica.breaker.probing_for(ex.tenant_label),
+                          tenant=ex.tenant_label)
         ex.attempt = attempt
         ex.backend = replica.name
         ex.server_address, ex.server_port = replica.address, replica.port

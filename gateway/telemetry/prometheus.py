@@ -275,6 +275,9 @@ class Metrics:
         self.breaker.labels(backend).set(state)
         self.child(self.breaker_transitions, (backend, STATE_NAMES[state])).inc()
 
+    def tenant_held(self, backend: str, tenant: str) -> None:
+        self.tenants.backend_held(backend, tenant)
+
     def health_checked(self, backend: str, ok: bool) -> None:
         self.backend_healthy.labels(backend).set(1 if ok else 0)
         if not ok:

@@ -6,6 +6,8 @@
   slogate_tenant_tokens_total{tenant, kind}                       (prompt, completion)
   slogate_tenant_sheds_total{tenant, reason}                      (errors.SHED_REASONS)
   slogate_tenant_quota_usage_ratio{tenant, quota}                 (0..1: share of a quota used)
+  slogate_tenant_backend_holds_total{tenant, backend}   (its own failures held it off a backend)
+  slogate_tenant_held_requests_total{tenant}            (refused at once while held: tenant_held)
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from gateway.errors import SHED_REASONS
+from gateway.errors import SHED_REASONS, TENANT_HELD
 from gateway.telemetry.counter import Counter
 
 OTHER = "other"
@@ -38,9 +40,18 @@ class TenantMetrics:
         self.quota = Gauge("slogate_tenant_quota_usage_ratio",
                            "Share of a tenant's quota in use (requests/tokens per minute, in "
                            "flight, queued).", ("tenant", "quota"), registry=registry)
+        self.backend_holds = Counter("slogate_tenant_backend_holds",
+                                     "Times a tenant was held off a backend by its own failures "
+                                     "(its requests failed there while other tenants' "
+                                     "succeeded).", ("tenant", "backend"), registry=registry)
+        self.held_requests = Counter("slogate_tenant_held_requests",
+                                     "Requests refused at once (503 tenant_held) because their "
+                                     "tenant was held off every backend that could serve them.",
+                                     ("tenant",), registry=registry)
         for tenant in (*sorted(self.known), OTHER):
             for reason in SHED_REASONS:
                 self.sheds.labels(tenant, reason)
+            self.held_requests.labels(tenant)
 
     def label(self, tenant: str | None) -> str:
         return tenant if tenant in self.known else OTHER
@@ -63,6 +74,11 @@ class TenantMetrics:
             self._child(self.tokens, (tenant, "prompt")).inc(ctx.prompt_tokens)
         if ctx.completion_tokens:
             self._child(self.tokens, (tenant, "completion")).inc(ctx.completion_tokens)
+        if ctx.error_type == TENANT_HELD:
+            self._child(self.held_requests, (tenant,)).inc()
+
+    def backend_held(self, backend: str, tenant: str) -> None:
+        self._child(self.backend_holds, (self.label(tenant), backend)).inc()
 
     def shed(self, tenant: str, reason: str) -> None:
         self._child(self.sheds, (self.label(tenant), reason)).inc()

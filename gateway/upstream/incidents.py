@@ -5,8 +5,8 @@ Rate-limited per backend and kind (at most one line every `INTERVAL_S`), so an o
 lines rather than one per request or probe; a line held back is counted and told with the next
 line of its kind ("(3 more since)"). Every line has a counter that carries it whatever the rate
 limit held back (telemetry/prometheus.py): upstream_attempts_total{result} for failures,
-breaker_transitions_total{to} for the circuit, health_check_failures_total and backend_healthy
-for the active checks.
+breaker_transitions_total{to} for the circuit, tenant_backend_holds_total for a tenant held
+off, health_check_failures_total and backend_healthy for the active checks.
 
 Each line is also structured: the record carries `event` (one of the kinds below), `backend`
 and `detail` (the cause, or how long the backend was down), for a handler that writes JSON.
@@ -26,6 +26,7 @@ CIRCUIT_OPEN = "circuit_open"
 CIRCUIT_CLOSED = "circuit_closed"
 CHECK_FAILED = "health_check_failed"
 CHECK_RECOVERED = "health_check_recovered"
+TENANT_HELD = "tenant_held"
 
 
 class Throttle:
@@ -82,12 +83,25 @@ class BackendLog:
         """The first failure after a success (the circuit is still closed)."""
         self._warn(FAILING, f"is failing: {cause}", cause)
 
-    def opened(self, failures: int, cooldown_s: float, cause: str, probe: bool) -> None:
-        """The circuit opened: after `failures` in a row, or because its probe failed."""
-        why = ("its probe failed" if probe else "after 1 failure" if failures == 1
+    def opened(self, failures: int, cooldown_s: float, cause: str, probe: bool,
+               witness: str | None = None, confirmed: bool = False) -> None:
+        """The circuit opened: after `failures` in a row, because its probe failed, or because
+        a second tenant's request failed while it was open on one tenant's (`witness`)."""
+        why = ("its probe failed" if probe
+               else "a second tenant's request failed too" if confirmed
+               else "after 1 failure" if failures == 1
                else f"after {failures} failures in a row")
+        if witness is not None:
+            why += f", all tenant '{witness}''s: other tenants' requests still go there"
         self._warn(CIRCUIT_OPEN, f"is unavailable: circuit open for {seconds(cooldown_s)} "
                    f"({why}; last: {cause})", cause)
+
+    def tenant_held(self, tenant: str, failures: int, cooldown_s: float, cause: str) -> None:
+        """One tenant's requests fail here while other tenants' succeed: it alone is held
+        off (the circuit stays closed for the others)."""
+        self._warn(TENANT_HELD, f"fails tenant '{tenant}' only: its requests are held off for "
+                   f"{seconds(cooldown_s)}, other tenants' still go there ({failures} failures "
+                   f"in a row while another tenant's request succeeded; last: {cause})", cause)
 
     def closed(self, down_s: float) -> None:
         """A request succeeded on it again: the circuit closed."""

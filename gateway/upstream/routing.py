@@ -16,7 +16,7 @@ from yarl import URL
 
 from gateway.apis import provider_for
 from gateway.config import BackendConfig, BreakerPolicy
-from gateway.errors import GatewayError
+from gateway.errors import REJECTED, TENANT_HELD, GatewayError
 from gateway.transport.client import Target
 from gateway.transport.connector import TimedConnector
 from gateway.upstream import health
@@ -32,11 +32,16 @@ class HealthSink(Protocol):
 
     def breaker_changed(self, backend: str, state: int) -> None: ...
 
+    def tenant_held(self, backend: str, tenant: str) -> None: ...
+
     def health_checked(self, backend: str, ok: bool) -> None: ...
 
 
 class _NoSink:
     def breaker_changed(self, backend: str, state: int) -> None:
+        pass
+
+    def tenant_held(self, backend: str, tenant: str) -> None:
         pass
 
     def health_checked(self, backend: str, ok: bool) -> None:
@@ -76,7 +81,8 @@ class Replica:
         self.clock = clock
         self.log = BackendLog(cfg.name, clock)  # the operator's lines (upstream/incidents.py)
         self.breaker = Breaker(breaker, lambda state: sink.breaker_changed(cfg.name, state),
-                               clock, self.log)
+                               clock, self.log,
+                               on_hold=lambda tenant: sink.tenant_held(cfg.name, tenant))
         self.healthy = True  # from active checks (always true without them)
         self.check_failure = ""  # why the active check fails, in words
         self.unhealthy_since = 0.0
@@ -109,8 +115,9 @@ class Replica:
             target = self._targets[suffix] = Target(URL(self.cfg.base_url + suffix))
         return target
 
-    def available(self) -> bool:
-        return self.healthy and self.breaker.available()
+    def available(self, tenant: str | None = None) -> bool:
+        """Could a request (of `tenant`; None: of anyone) go here now?"""
+        return self.healthy and self.breaker.available(tenant=tenant)
 
     def view(self) -> ReplicaView:
         return ReplicaView(self.name, f"{self.address}:{self.port}", self.cfg.type,
@@ -136,12 +143,13 @@ class Replica:
             self.log.check_failed(failure)
         self.healthy, self.check_failure = ok, failure
 
-    def why_unavailable(self) -> str:
-        """Why no request may go here now, in words (for a 503 no_healthy_backend)."""
+    def why_unavailable(self, tenant: str | None = None) -> str:
+        """Why no request (of `tenant`) may go here now, in words (for a 503
+        no_healthy_backend)."""
         if not self.healthy:
             return (f"failing its health check for {seconds(self.clock() - self.unhealthy_since)}"
                     f": {self.check_failure}")
-        return self.breaker.why_unavailable()
+        return self.breaker.why_unavailable(tenant)
 
     async def close(self) -> None:
         if self._health_task is not None:
@@ -185,10 +193,11 @@ class Router:
             self._cycles[key] = itertools.cycle(range(len(cands)))
         return cands
 
-    def pick(self, model: str, family: str,
-             exclude: Collection[Replica] = ()) -> tuple[Replica, str]:
+    def pick(self, model: str, family: str, exclude: Collection[Replica] = (),
+             tenant: str = "") -> tuple[Replica, str]:
         """A replica serving this model in this API family (round-robin among the healthy
-        ones not in `exclude`), and the model name to send upstream."""
+        ones not in `exclude` whose breaker lets a request of `tenant` through), and the
+        model name to send upstream."""
         cands = self.replicas_for(model, family)
         if not cands:
             raise GatewayError(404, f"The model '{model}' does not exist or is not served by "
@@ -198,9 +207,9 @@ class Router:
             replica = cands[next(cycle)]
             if replica in exclude or not replica.healthy:
                 continue
-            if replica.breaker.acquire():
+            if replica.breaker.acquire(tenant):
                 return replica, replica.cfg.aliases.get(model, model)
-        raise no_healthy_backend(model, [r for r in cands if r not in exclude])
+        raise no_healthy_backend(model, [r for r in cands if r not in exclude], tenant)
 
     def unavailable_models(self) -> list[str]:
         """Configured models with no replica that could take a request now (for /readyz)."""
@@ -217,15 +226,23 @@ class Router:
             await r.close()
 
 
-def no_healthy_backend(model: str, replicas: Sequence[Replica]) -> GatewayError:
+def no_healthy_backend(model: str, replicas: Sequence[Replica],
+                       tenant: str | None = None) -> GatewayError:
     """503 no_healthy_backend for `model`, saying which of its backends are down and why
-    (their last failure), with the soonest breaker's Retry-After."""
-    wait = min((r.breaker.retry_after_s() for r in replicas), default=1.0)
-    down = [f"Backend '{r.name}' is unavailable ({r.why_unavailable()})."
+    (their last failure), with the soonest breaker's Retry-After. When every one of them is
+    refused to this tenant only, because its own requests failed there while others'
+    succeeded, it is 503 tenant_held: the tenant's own doing, not a backend down."""
+    wait = min((r.breaker.retry_after_s(tenant) for r in replicas), default=1.0)
+    down = [f"Backend '{r.name}' is unavailable ({r.why_unavailable(tenant)})."
             for r in replicas[:MAX_DESCRIBED]]
     if len(replicas) > MAX_DESCRIBED:
         down.append(f"{len(replicas) - MAX_DESCRIBED} more backends are unavailable.")
+    headers = {"Retry-After": str(max(1, math.ceil(wait)))}
+    if tenant is not None and replicas and all(r.healthy and r.breaker.held(tenant)
+                                               for r in replicas):
+        return GatewayError(503, " ".join([f"The model '{model}' is not served to this tenant "
+                                           "right now.", *down]), TENANT_HELD,
+                            outcome=REJECTED, headers=headers)
     return GatewayError(503, " ".join([f"No healthy backend for the model '{model}' right "
                                        "now.", *down]),
-                        "no_healthy_backend", outcome="upstream_error",
-                        headers={"Retry-After": str(max(1, math.ceil(wait)))})
+                        "no_healthy_backend", outcome="upstream_error", headers=headers)

@@ -46,7 +46,8 @@ async def test_garbage_alongside_good_streams() -> None:
         cfg = config.parse({"auth": {"mode": "open"},
                             "server": {"access_log": False, "max_body_bytes": 1_000_000},
                             "backends": [{"name": "s", "base_url": sim + "/v1",
-                                          "models": ["m"]}]}, env={})
+                                          "models": ["m"], "forward_headers": ["x-sim-*"]}]},
+                            env={})
         async with serve_app(build_app(cfg)) as gw, aiohttp.ClientSession() as s:
             async with s.post(gw + "/v1/chat/completions", json=GOOD) as r:
                 reference = normalized(await r.read())

@@ -37,7 +37,8 @@ async def test_disconnect_reaches_the_engine_within_100ms(phase: str) -> None:
                                   decode_per_seq_ms=0))
     async with serve_app(sim_app) as sim_url:
         cfg = config.parse({"auth": {"mode": "open"}, "server": {"access_log": False},
-                            "backends": [{"name": "sim", "base_url": sim_url + "/v1"}]})
+                            "backends": [{"name": "sim", "base_url": sim_url + "/v1",
+                                          "forward_headers": ["x-sim-*"]}]})
         app = build_app(cfg)
         async with serve_app(app) as gw, aiohttp.ClientSession() as s:
             url = gw + "/v1/chat/completions"

@@ -156,7 +156,8 @@ async def test_console_page_assets_and_pushed_snapshots() -> None:
                                              served_model_names=["m"]))) as sim_url:
         cfg = config.parse({"auth": {"mode": "open"}, "server": {"access_log": False},
                             "backends": [{"name": "sim", "base_url": sim_url + "/v1",
-                                          "models": ["m"]}]}, env={})
+                                          "models": ["m"], "forward_headers": ["x-sim-*"]}]},
+                            env={})
         async with serve_app(build_app(cfg)) as gw, aiohttp.ClientSession() as s:
             async with s.get(gw + "/console") as r:
                 page = await r.text()
@@ -210,7 +211,8 @@ async def test_snapshot_shows_the_admission_queue_and_predicted_ttft() -> None:
         cfg = config.parse({"auth": {"mode": "open"}, "server": {"access_log": False},
                             "admission": {"enabled": True, "max_concurrency": 1},
                             "backends": [{"name": "sim", "base_url": sim_url + "/v1",
-                                          "models": ["m"]}]}, env={})
+                                          "models": ["m"], "forward_headers": ["x-sim-*"]}]},
+                            env={})
         async with serve_app(build_app(cfg)) as gw, aiohttp.ClientSession() as s:
             body = {"model": "m", "stream": True, "max_tokens": 30,
                     "messages": [{"role": "user", "content": "hi"}]}

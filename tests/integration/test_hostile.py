@@ -343,6 +343,9 @@ async def test_header_policy_both_ways(monkeypatch) -> None:
                 "Forwarded": "for=1.2.3.4", "X-Forwarded-Host": "evil.example",
                 "X-Forwarded-For": "1.2.3.4", "X-Real-IP": "1.2.3.4",
                 "openai-beta": "assistants=v2",
+                "x-sim-status": "500", "X-Data-Parallel-Rank": "0",
+                "x-gateway-destination-endpoint": "10.0.0.9:8000",
+                "x-prefiller-host-port": "10.0.0.9:8000",
                 "Cookie": "a=b"}) as r:
             assert r.status == 200
             for name in ("Set-Cookie", "openai-organization", "openai-project"):
@@ -350,7 +353,9 @@ async def test_header_policy_both_ways(monkeypatch) -> None:
             assert r.headers["x-ratelimit-remaining-requests"] == "99"  # the rest passes
         seen = {k.lower(): v for k, v in evil[hostile.SEEN][-1].items()}
         for name in ("openai-organization", "openai-project", "forwarded", "x-forwarded-host",
-                     "x-forwarded-for", "x-real-ip", "cookie"):
+                     "x-forwarded-for", "x-real-ip", "cookie", "x-sim-status",
+                     "x-data-parallel-rank", "x-gateway-destination-endpoint",
+                     "x-prefiller-host-port"):  # engine control: only when a backend lists it
             assert name not in seen, name
         assert seen["authorization"] == f"Bearer {UPSTREAM_KEY}"  # the gateway's own key
         assert seen["openai-beta"] == "assistants=v2"  # provider feature headers go up

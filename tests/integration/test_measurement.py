@@ -42,7 +42,7 @@ def gw_config(upstream: str, provider: str = "groq", **extra: Any) -> config.Con
         "auth": {"mode": "open"}, "server": {"access_log": True},
         "slo": {"default": "interactive"}, "slo_classes": [INTERACTIVE, RELAXED, BATCH],
         "backends": [{"name": "sim", "base_url": upstream + "/v1", "provider": provider,
-                      "models": ["m"]}]}
+                      "models": ["m"], "forward_headers": ["x-sim-*"]}]}
     raw.update(extra)
     return config.parse(raw, env={})
 
@@ -393,9 +393,10 @@ async def test_cached_tokens_from_every_format_reach_the_log_and_spans(fmt: str,
     async with serve_app(otlp) as otlp_url, serve_app(build_sim(sim_cfg)) as sim:
         cfg = gw_config(sim, provider="vllm", telemetry={"otlp_endpoint": otlp_url},
                         backends=[{"name": "sim", "base_url": sim + "/v1", "provider": "vllm",
-                                   "models": ["m"]},
+                                   "models": ["m"], "forward_headers": ["x-sim-*"]},
                                   {"name": "anthropic", "type": "anthropic",
-                                   "base_url": sim + "/v1", "models": ["m"]}])
+                                   "base_url": sim + "/v1", "models": ["m"],
+                                   "forward_headers": ["x-sim-*"]}])
         app = build_app(cfg)
         async with serve_app(app) as gw, aiohttp.ClientSession() as s:
             ids = []

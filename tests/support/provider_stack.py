@@ -89,7 +89,7 @@ async def stack(backend_type: str = "openai", base_path: str = "/v1", *,
             raw = {"auth": {"mode": "open"}, "server": {"access_log": True}, **sections,
                    "backends": [{"name": "sim", "type": backend_type,
                                  "base_url": sim_url + base_path, "models": ["m"],
-                                 **(backend or {})}]}
+                                 "forward_headers": ["x-sim-*"], **(backend or {})}]}
             gw_app = build_app(config.parse(raw, env={}))
             async with serve_app(gw_app) as gw_url:
                 yield Stack(gw_url, sim_url, gw_app, sim_app, handler)

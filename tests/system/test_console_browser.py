@@ -73,7 +73,8 @@ async def test_console_live_under_load_shows_a_stalled_request_in_the_right_stag
             "slo_classes": [{"name": "interactive", "ttft_ms": 500, "tpot_ms": 50},
                             {"name": "batch", "ttft_ms": 20000, "tpot_ms": 200}],
             "slo": {"default": "interactive"},
-            "backends": [{"name": "sim", "base_url": sim_url + "/v1", "models": [MODEL]}]},
+            "backends": [{"name": "sim", "base_url": sim_url + "/v1", "models": [MODEL],
+                          "forward_headers": ["x-sim-*"]}]},
             env={})
         app = build_app(cfg, tracing=Tracing(cfg.telemetry, exporter=InMemorySpanExporter()))
         async with serve_app(app) as gw:

@@ -76,6 +76,7 @@ tpot_ms = 200
 name = "sim"
 base_url = "{sim}/v1"
 models = ["m"]
+forward_headers = ["x-sim-*"]
 """
 
 # -- the dashboard's queries ---------------------------------------------------------------------

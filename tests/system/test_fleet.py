@@ -58,11 +58,13 @@ name = "sim-a"
 base_url = "{sim_a}/v1"
 models = ["m"]
 max_concurrency = {cap}
+forward_headers = ["x-sim-*"]
 [[backends]]
 name = "sim-b"
 base_url = "{sim_b}/v1"
 models = ["m"]
 max_concurrency = {cap}
+forward_headers = ["x-sim-*"]
 """
 
 

@@ -28,7 +28,7 @@ FAST_SIM = SimConfig(decode_base_ms=2, decode_per_seq_ms=0, prefill_tokens_per_s
 def gw_config(upstream: str, **extra) -> config.Config:
     raw = {"auth": {"mode": "open"}, "server": {"access_log": True},
            "backends": [{"name": "sim", "base_url": upstream + "/v1", "provider": "vllm",
-                         "models": ["m"]}]}
+                         "models": ["m"], "forward_headers": ["x-sim-*"]}]}
     raw.update(extra)
     return config.parse(raw, env={})
 

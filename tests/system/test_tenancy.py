@@ -43,7 +43,8 @@ def keyed(backends: list[tuple[Any, ...]], keys: list[dict[str, Any]],
         "auth": auth, "server": {"access_log": True}, "slo_classes": CLASSES,
         "slo": {"default": "interactive"},
         "backends": [{"name": b[0], "base_url": b[1] + "/v1", "models": b[2],
-                      "type": b[3] if len(b) > 3 else "openai"} for b in backends]}
+                      "type": b[3] if len(b) > 3 else "openai",
+                      "forward_headers": ["x-sim-*"]} for b in backends]}
     raw.update(sections)
     return config.parse(raw, env={})
 
@@ -354,7 +355,8 @@ async def test_8_equal_classes_share_an_overloaded_engine() -> None:
         cfg = config.parse({"auth": {"mode": "open"}, "server": {"access_log": False},
                             "admission": {"enabled": True}, "slo_classes": classes,
                             "backends": [{"name": "a", "base_url": sim + "/v1",
-                                          "models": ["m"]}]}, env={})
+                                          "models": ["m"], "forward_headers": ["x-sim-*"]}]},
+                            env={})
         async with serve_app(build_app(cfg)) as base, aiohttp.ClientSession() as s:
             for _ in range(4):
                 await chat(s, base, "k", max_tokens=20)

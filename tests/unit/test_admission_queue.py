@@ -32,7 +32,7 @@ class FakeReplica:
         self.cfg = SimpleNamespace(max_concurrency=cap, base_url="http://127.0.0.1:9")
         self.session = None
 
-    def available(self) -> bool:
+    def available(self, tenant: str | None = None) -> bool:
         return True
 
 

@@ -118,3 +118,22 @@ def test_the_breaker_says_why_a_backend_is_unavailable() -> None:
 ])
 def test_an_attempt_failure_in_words(failure: AttemptFailed, words: str) -> None:
     assert failure.cause == words
+
+
+def test_one_tenants_failures_are_told_as_that_tenants(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, "slogate.health")
+    clock = FakeClock()
+    b = breaker(clock)
+    b.success("victim")
+    for _ in range(3):
+        b.failure("status 500", "attacker")
+    assert b.acquire("victim")
+    b.success("victim")
+    assert lines(caplog) == [
+        "backend 'local' is failing: status 500",
+        "backend 'local' is unavailable: circuit open for 5.0 s (after 3 failures in a row, all "
+        "tenant 'attacker''s: other tenants' requests still go there; last: status 500)",
+        "backend 'local' fails tenant 'attacker' only: its requests are held off for 5.0 s, "
+        "other tenants' still go there (3 failures in a row while another tenant's request "
+        "succeeded; last: status 500)",
+    ]

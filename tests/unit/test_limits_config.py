@@ -40,6 +40,8 @@ def test_keys_parse_and_env_overrides_apply() -> None:
     ({"backlog": 0}, {}, "server.backlog", "integer >= 1"),
     ({}, {"forward_headers": "OpenAI-Organization"}, "backends[0].forward_headers", "list"),
     ({}, {"deny_headers": ["bad: name"]}, "backends[0].deny_headers", "header names"),
+    ({}, {"forward_headers": ["x-*-sim"]}, "backends[0].forward_headers", "prefixes"),
+    ({}, {"forward_headers": ["*"]}, "backends[0].forward_headers", "prefixes"),
 ])
 def test_bad_values_name_the_key(server, backend, key, fragment) -> None:
     with pytest.raises(config.ConfigError) as e:
