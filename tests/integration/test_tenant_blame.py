@@ -17,6 +17,7 @@ from gateway import config
 from gateway.edge.auth import hash_key
 from gateway.ops.server import build_app
 from tests.support.servers import serve_app
+from tests.support.waiting import wait_until
 
 FAST = {"decode_base_ms": 2, "decode_per_seq_ms": 0, "prefill_tokens_per_s": 200_000}
 TENANTS = ("victim", "attacker", "bystander", "neighbour")
@@ -124,8 +125,11 @@ async def test_a_backend_that_really_fails_one_tenant_alone_still_opens() -> Non
         assert "circuit open for another 1 s after 3 failures" in body["error"]["message"]
         assert await metric(s, gw, "slogate_backend_breaker_state", backend="sim") == 2
         await set_fault(s, sim, 0)
-        await asyncio.sleep(0.35)
-        assert (await chat(s, gw, "victim"))[0] == 200  # the probe
+
+        async def probed_ok() -> bool:  # after the cooldown, a probe closes it
+            return (await chat(s, gw, "victim"))[0] == 200
+
+        await wait_until(probed_ok, timeout=5, interval=0.1, what="the probe closing it")
         assert await metric(s, gw, "slogate_backend_breaker_state", backend="sim") == 0
 
 
