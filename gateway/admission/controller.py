@@ -21,7 +21,9 @@ can be ordered, not in the engine. When no replica of the model (or of a fallbac
 use) is available, the answer is 503 no_healthy_backend with the breaker's Retry-After.
 
 Only what the server itself judges teaches the estimators and the limit: requests that ended
-ok. A client that tightened its own deadline, left, or was shed for its own SLO teaches nothing.
+ok. A client that tightened its own deadline, left, or was shed for its own SLO teaches nothing;
+a first token far later than predicted that only its tenant's requests meet is that tenant's
+stall (estimator.TtftJudge), taught to neither.
 """
 from __future__ import annotations
 
@@ -213,9 +215,16 @@ class Ticket:
         self.state = "decode"
         if load.adaptive is not None:  # the limit learns from the TTFT now, not at the end
             est = load.est
-            ttft = (self.ctrl.clock() - self.t_start) / 1e9
-            own = est.ttft.theta[0] + est.ttft.theta[1] * self.tokens / 1000.0
-            load.adaptive.sample(ttft - est.provider_queue_s - own, self.in_flight_at_dispatch)
+            now = self.ctrl.clock()
+            ttft = (now - self.t_start) / 1e9
+            # A stall only this tenant's requests meet is not the engine queueing: it must not
+            # bring the limit down for everyone.
+            if not est.own_stall(self.work_at_dispatch, self.decoding_at_dispatch,
+                                 self.ahead_at_dispatch, ttft - est.provider_queue_s,
+                                 self.tenant, now / 1e9):
+                own = est.ttft.theta[0] + est.ttft.theta[1] * self.tokens / 1000.0
+                load.adaptive.sample(ttft - est.provider_queue_s - own,
+                                     self.in_flight_at_dispatch)
         self.ctrl.wake()
 
     def move(self, replica: Replica) -> None:
@@ -482,8 +491,8 @@ class AdmissionController:
                 continue
             est = load.est
             pred_ttft = est.predict_ttft(self._ahead(load) + tokens, load.decoding_now(),
-                                         load.requests_ahead())
-            if pred_ttft + self.cfg.safety * est.ttft.stderr > ttft_budget:
+                                         load.requests_ahead(), ctx.tenant_label)
+            if pred_ttft + self.cfg.safety * est.ttft_spread_s(ctx.tenant_label) > ttft_budget:
                 why = "ttft_wait"
                 continue
             pred_tpot = est.predict_tpot(load.decoding_now() + 1)
@@ -535,8 +544,8 @@ class AdmissionController:
                 load.last_probe = now
                 est = load.est
                 return Ticket(self, load, tokens, body_bytes, ctx.target.cls.tpot_ms / 1e3,
-                              est.predict_ttft(tokens, 0.0), False, model or (ctx.model or ""),
-                              ctx.tenant_label)
+                              est.predict_ttft(tokens, 0.0, tenant=ctx.tenant_label), False,
+                              model or (ctx.model or ""), ctx.tenant_label)
         return None
 
     def _urgent(self, waiter: Waiter) -> bool:
@@ -563,18 +572,19 @@ class AdmissionController:
         return load, pred
 
     def _best_case_s(self, loads: list[ReplicaLoad], tokens: float,
-                     safety: float | None = None) -> float:
-        """TTFT on the least loaded replica if the work queued ahead of it in the gateway went
-        first, plus `safety` (default: the configured one) x the stated error: if even that
-        misses, waiting cannot help."""
+                     safety: float | None = None, tenant: str | None = None) -> float:
+        """TTFT of a request of `tenant` on the least loaded replica if the work queued ahead
+        of it in the gateway went first, plus `safety` (default: the configured one) x the
+        error its tenant's requests are padded with: if even that misses, waiting cannot
+        help."""
         k = self.cfg.safety if safety is None else safety
         out = math.inf
         for load in loads:
-            if not load.replica.available():
+            if not load.replica.available(tenant):
                 continue
             est = load.est
-            out = min(out, est.predict_ttft(self._ahead(load) + tokens, 0.0)
-                      + k * est.ttft.stderr)
+            out = min(out, est.predict_ttft(self._ahead(load) + tokens, 0.0, tenant=tenant)
+                      + k * est.ttft_spread_s(tenant))
         return out
 
     def _check_feasible(self, ctx: Exchange, loads: list[ReplicaLoad], tokens: float,
@@ -585,8 +595,9 @@ class AdmissionController:
         per_replica_ahead = ahead_tokens / max(1, len(loads))
         # The stated error pads the best case; the wait for a turn is added to the point
         # prediction only (padding both would shed requests that would have made it).
-        if (self._best_case_s(loads, tokens + per_replica_ahead) > budget
-                or (wait_s and self._best_case_s(loads, tokens + per_replica_ahead, 0.0)
+        tenant = ctx.tenant_label
+        if (self._best_case_s(loads, tokens + per_replica_ahead, tenant=tenant) > budget
+                or (wait_s and self._best_case_s(loads, tokens + per_replica_ahead, 0.0, tenant)
                     + wait_s > budget)):
             self._reject(ctx, SHED_TTFT_INFEASIBLE, self._retry_after_s(loads))
 
@@ -769,8 +780,11 @@ class AdmissionController:
             actual = (ctx.t_first_token - ctx.t_sent) / 1e9
             tokens = ctx.prompt_tokens or ticket.tokens
             work = ticket.work_at_dispatch - ticket.tokens + tokens
-            est.observe_ttft(work, ticket.decoding_at_dispatch, ticket.ahead_at_dispatch,
-                             actual - est.provider_queue_s)
+            stall = est.observe_ttft(work, ticket.decoding_at_dispatch,
+                                     ticket.ahead_at_dispatch, actual - est.provider_queue_s,
+                                     ticket.tenant, self.clock() / 1e9)
+            if stall is not None:
+                self.metrics.tenants.ttft_stall(ticket.tenant, stall)
             self.metrics.ttft_error.observe((ticket.replica.name, ctx.model_label),
                                             abs(actual - ticket.predicted_ttft_s))
             tpot = durations.tpot_s(ctx)

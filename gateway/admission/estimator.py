@@ -11,18 +11,48 @@ requests queued ahead of it. TPOT is a + b * D.
 Both are recursive least squares with a forgetting factor, so they follow a backend that gets
 faster or slower. Prompt tokens are estimated from request bytes with a ratio calibrated
 against reported usage.prompt_tokens: per tenant, robust and bounded (`TokenCalibration`).
+
+One tenant's outliers must not teach the shared TTFT fit, nor widen the error every tenant's
+admission is padded with (`TtftJudge`): each tenant keeps its own residuals, the error is a
+robust spread of them (a bounded quantile over a window), and a first token far later than
+predicted is judged as the stall it is before it may teach the fit: only when another
+tenant's first tokens are late too, or the tenant is alone on the replica (then the other
+tenants are predicted from the fit as it was before, until one of them confirms or
+contradicts it).
 """
 from __future__ import annotations
 
+import copy
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
+
+from gateway.errors import STALL_BACKEND, STALL_OWN
 
 RATIO_MIN, RATIO_MAX = 0.005, 1.0  # tokens per request byte: the bounds any estimate keeps
 RATIO_PRIOR = 0.25
 RATIO_WINDOW = 32
 RATIO_MIN_SAMPLES = 4
+
+# A tenant's residuals (actual - predicted TTFT, s) on one replica: the last RESID_WINDOW; its
+# own spread and bias need RESID_MIN of them (until then it gets the replica's).
+RESID_WINDOW = 32
+RESID_MIN = 8
+# A tenant's spread: the 90th percentile of its residuals' sizes, as a standard deviation (of
+# normal residuals, 1.645 of them); its few larger ones (1 in 10) are its own outliers and move
+# nothing. Two-sided: a fit that is off for the tenant either way is an error of its own.
+SPREAD_QUANTILE = 0.9
+SPREAD_SIGMAS = 1.645
+SPREAD_FLOOR_S = 0.002
+# A stall: a first token late by all of these over the prediction. Not judged before the fit
+# has WARM_N observations (its priors are not a prediction).
+STALL_SIGMAS = 6.0  # the replica's spread of residuals that were not stalls,
+STALL_RATIO = 1.0  # the prediction itself (TTFT at least twice the predicted),
+STALL_MIN_S = 0.05  # and this much.
+WARM_N = 10
+STALL_WINDOW_S = 30.0  # another tenant's stall within this long corroborates one
+STALL_ALONE = 3  # stalls of a tenant alone on the replica (within the window) that teach the fit
 
 
 def _median(values: Sequence[float]) -> float:
@@ -122,11 +152,129 @@ class RLS:
         return math.sqrt(self.err_var)
 
 
+def _spread(residuals: Sequence[float]) -> float:
+    sizes = sorted(abs(v) for v in residuals)
+    return max(SPREAD_FLOOR_S, sizes[math.ceil(SPREAD_QUANTILE * len(sizes)) - 1] / SPREAD_SIGMAS)
+
+
+def _lower_median(values: Iterable[float]) -> float | None:
+    """One vote per tenant; with two, the smaller (one tenant cannot move it)."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2] if ordered else None
+
+
+class Residual:
+    """One observation's residual, whether it was a stall (`late`), and whether it is still
+    its tenant's own (its bias) or was judged the replica's (the fit learned it)."""
+
+    __slots__ = ("value", "own", "late")
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+        self.own = True
+        self.late = False
+
+
+class Stall:
+    """A first token far later than predicted, held back from the fit until judged."""
+
+    __slots__ = ("t", "x", "y", "residual")
+
+    def __init__(self, t: float, x: list[float], y: float, residual: Residual) -> None:
+        self.t, self.x, self.y, self.residual = t, x, y, residual
+
+
+class TtftJudge:
+    """Per tenant on one replica: its residuals, its spread and bias, and its stalls that have
+    not taught the shared fit. Memory is bounded: tenants are the configured ones plus
+    `other`, each with at most RESID_WINDOW residuals and stalls.
+
+    - A tenant's spread is the SPREAD_QUANTILE of its residuals' sizes (as one standard
+      deviation); the replica's is the lower median of its tenants' (one vote each: with two
+      tenants, the smaller). A request is padded with the larger of its tenant's and the
+      replica's.
+    - A tenant's bias is the median of its residuals (those the fit learned count as 0),
+      never below 0: a tenant whose requests are slow for a reason of its own is predicted
+      slow itself, nobody else is.
+    - A stall is judged against the spread of residuals that were not stalls (so no stall,
+      learned or not, makes the next one look ordinary). It teaches the fit when another
+      tenant has a stall held within STALL_WINDOW_S (the engine got slower for both: the two
+      teach it together, one for one, so that one late first token cannot release another
+      tenant's backlog), or when no other tenant was seen within it and this tenant has
+      STALL_ALONE (a slowdown only it can see). Else it stays the tenant's own.
+    - Taught on one tenant's word alone, the fit as it was before is kept for the others
+      (`before`): the first first-token of another tenant decides. Late by that fit too: the
+      slowdown is the replica's (the old fit goes). As that fit predicted: the stalls were
+      that tenant's own (the old fit comes back, and they count in its bias)."""
+
+    def __init__(self) -> None:
+        self.residuals: dict[str, deque[Residual]] = {}
+        self.stalls: dict[str, deque[Stall]] = {}
+        self.last_seen: dict[str, float] = {}
+        # each tenant's last late first token as it came (for the concurrency limit)
+        self.late: dict[str, float] = {}
+        self.spreads: dict[str, float] = {}
+        self.biases: dict[str, float] = {}
+        self.spread: float | None = None  # the replica's, once some tenant has RESID_MIN
+        self.ordinary: dict[str, float] = {}  # each tenant's spread of residuals not stalls
+        self.reference: float | None = None  # the replica's: what a stall is judged against
+        self.before: RLS | None = None  # the fit before one tenant alone taught it
+        self.teacher: str | None = None
+        self.taught: list[Residual] = []  # that tenant's residuals the fit learned
+
+    def record(self, tenant: str, value: float) -> Residual:
+        window = self.residuals.get(tenant)
+        if window is None:
+            window = self.residuals[tenant] = deque(maxlen=RESID_WINDOW)
+        residual = Residual(value)
+        window.append(residual)
+        return residual
+
+    def refresh(self, tenant: str) -> None:
+        """Recompute a tenant's spread and bias (once per observation, not per prediction)."""
+        window = self.residuals.get(tenant, ())
+        if len(window) >= RESID_MIN:
+            self.spreads[tenant] = _spread([r.value for r in window])
+            self.biases[tenant] = max(0.0, _median([r.value if r.own else 0.0
+                                                    for r in window]))
+        ordinary = [r.value for r in window if not r.late]
+        if len(ordinary) >= RESID_MIN:
+            self.ordinary[tenant] = _spread(ordinary)
+        self.spread = _lower_median(self.spreads.values())
+        self.reference = _lower_median(self.ordinary.values())
+
+    def spread_for(self, tenant: str | None) -> float | None:
+        own = self.spreads.get(tenant) if tenant is not None else None
+        if self.spread is None:
+            return own
+        return self.spread if own is None else max(own, self.spread)
+
+    def others_seen(self, tenant: str, now: float) -> bool:
+        return any(t != tenant and now - seen < STALL_WINDOW_S
+                   for t, seen in self.last_seen.items())
+
+    def others_late(self, tenant: str, now: float) -> bool:
+        """Was another tenant's first token late here within the window (as it came)?"""
+        return any(t != tenant and now - at < STALL_WINDOW_S for t, at in self.late.items())
+
+    def expire(self, now: float) -> None:
+        for queue in self.stalls.values():
+            while queue and now - queue[0].t >= STALL_WINDOW_S:
+                queue.popleft()
+
+    def held(self, tenant: str) -> deque[Stall]:
+        queue = self.stalls.get(tenant)
+        if queue is None:
+            queue = self.stalls[tenant] = deque(maxlen=RESID_WINDOW)
+        return queue
+
+
 class ReplicaEstimator:
     def __init__(self, lam: float = 0.97) -> None:
         # Priors for an unknown engine: 50 ms base, 1 s per 1k prompt tokens, 20 ms TPOT.
         self.ttft = RLS([0.05, 0.2, 0.0, 0.0], lam, nonneg=(1, 2, 3))
         self.tpot = RLS([0.02, 0.001], lam, nonneg=(1,))
+        self.judge = TtftJudge()
         self.tokens_per_byte = RATIO_PRIOR
         self._ratios: deque[float] = deque(maxlen=RATIO_WINDOW)
         self.provider_queue_s = 0.0  # EWMA of provider-reported queue time (hosted APIs)
@@ -136,22 +284,132 @@ class ReplicaEstimator:
         w = work_tokens / 1000.0
         return [1.0, w, w * decoding, ahead]
 
-    def predict_ttft(self, work_tokens: float, decoding: float, ahead: float = 0.0) -> float:
-        base = self.ttft.theta[0]
-        pred = self.ttft.predict(self._ttft_x(work_tokens, decoding, ahead))
-        return max(pred, base, 0.0) + self.provider_queue_s
+    def _fit_for(self, tenant: str | None) -> RLS:
+        """The fit a tenant is predicted with: the shared one, unless one other tenant alone
+        taught it a slowdown that nobody else confirmed yet."""
+        judge = self.judge
+        if judge.before is not None and tenant is not None and tenant != judge.teacher:
+            return judge.before
+        return self.ttft
+
+    @staticmethod
+    def _point(fit: RLS, x: Sequence[float]) -> float:
+        return max(fit.predict(x), fit.theta[0], 0.0)
+
+    def predict_ttft(self, work_tokens: float, decoding: float, ahead: float = 0.0,
+                     tenant: str | None = None) -> float:
+        """Upstream TTFT of a new request (of `tenant`: with its own bias; None: the
+        replica's view)."""
+        x = self._ttft_x(work_tokens, decoding, ahead)
+        pred = self._point(self._fit_for(tenant), x) + self.provider_queue_s
+        return pred + self.judge.biases.get(tenant, 0.0) if tenant is not None else pred
 
     def predict_tpot(self, decoding: float) -> float:
         return max(self.tpot.predict([1.0, decoding]), 0.0)
 
+    def ttft_spread_s(self, tenant: str | None = None) -> float:
+        """One (robust) standard deviation of TTFT residuals, what admission pads a request
+        of `tenant` with: the larger of its own and the replica's; the fit's own (RLS)
+        residual deviation until some tenant has enough residuals."""
+        spread = self.judge.spread_for(tenant)
+        return self.ttft.stderr if spread is None else spread
+
     @property
     def ttft_error_s(self) -> float:
-        """The estimator's stated error: two standard deviations of recent residuals."""
-        return 2.0 * self.ttft.stderr
+        """The estimator's stated error: two (robust) standard deviations of residuals."""
+        return 2.0 * self.ttft_spread_s()
 
     def observe_ttft(self, work_tokens: float, decoding: float, ahead: float,
-                     seconds: float) -> None:
-        self.ttft.update(self._ttft_x(work_tokens, decoding, ahead), seconds)
+                     seconds: float, tenant: str = "", now: float = 0.0) -> str | None:
+        """One first token of `tenant` (`now`: monotonic s). None: it taught the fit as an
+        ordinary observation; else a stall, judged STALL_BACKEND (it taught the fit, with
+        the stalls that corroborate it) or STALL_OWN (held: the tenant's own)."""
+        judge = self.judge
+        x = self._ttft_x(work_tokens, decoding, ahead)
+        fit = self._fit_for(tenant)
+        pred = self._point(fit, x)
+        residual = judge.record(tenant, seconds - pred)
+        alone = not judge.others_seen(tenant, now)
+        judge.last_seen[tenant] = now
+        judge.expire(now)
+        verdict: str | None = None
+        if not self._late(fit, residual.value, pred):
+            if fit is not self.ttft:  # as the fit before said: that teaching was one tenant's
+                self._untaught()
+            self.ttft.update(x, seconds)
+        else:
+            residual.late = True
+            held = judge.held(tenant)
+            partner = next((t for t, queue in judge.stalls.items() if t != tenant and queue),
+                           None)
+            if partner is not None or fit is not self.ttft:  # another tenant's were late too
+                judge.before, judge.teacher, judge.taught = None, None, []
+                # One for one: a single late first token cannot release another tenant's
+                # whole backlog of stalls into the fit.
+                paired = [judge.stalls[partner].pop()] if partner is not None else []
+                self._teach(paired, x, seconds, residual)
+                if partner is not None:
+                    judge.refresh(partner)
+                verdict = STALL_BACKEND
+            elif judge.teacher == tenant or (alone and len(held) + 1 >= STALL_ALONE):
+                if judge.before is None:  # the others keep the fit as it was
+                    judge.before, judge.teacher = copy.deepcopy(self.ttft), tenant
+                judge.taught.extend([*(s.residual for s in held), residual])
+                self._teach(list(held), x, seconds, residual)
+                held.clear()
+                verdict = STALL_BACKEND
+            else:
+                held.append(Stall(now, x, seconds, residual))
+                verdict = STALL_OWN
+        judge.refresh(tenant)
+        return verdict
+
+    def _late(self, fit: RLS, residual: float, pred: float) -> bool:
+        """Is this residual a stall? (Before any tenant has enough ordinary residuals, judged
+        against the fit's own residual deviation.)"""
+        reference = self.judge.reference
+        spread = max(SPREAD_FLOOR_S, fit.stderr if reference is None else reference)
+        return (fit.n >= WARM_N and residual > STALL_SIGMAS * spread
+                and residual > STALL_RATIO * pred and residual > STALL_MIN_S)
+
+    def own_stall(self, work_tokens: float, decoding: float, ahead: float, seconds: float,
+                  tenant: str, now: float) -> bool:
+        """A first token as it comes (before its request ends and teaches the fit): is it a
+        stall of its tenant's own so far (late, other tenants use the replica, and none of
+        theirs was late)? Then it is not a sign of the engine queueing either (admission's
+        concurrency limit skips it). A late one is noted: it corroborates others'."""
+        fit = self._fit_for(tenant)
+        pred = self._point(fit, self._ttft_x(work_tokens, decoding, ahead))
+        judge = self.judge
+        if not self._late(fit, seconds - pred, pred):
+            return False
+        own = (judge.others_seen(tenant, now) and not judge.others_late(tenant, now)
+               and not any(q for t, q in judge.stalls.items() if t != tenant)
+               and fit is self.ttft and judge.teacher != tenant)
+        judge.late[tenant] = now
+        return own
+
+    def _teach(self, stalls: Sequence[Stall], x: list[float], seconds: float,
+               residual: Residual) -> None:
+        """Stalls judged the replica's: the fit learns them, in order, and they leave their
+        tenants' biases."""
+        for s in stalls:
+            self.ttft.update(s.x, s.y)
+            s.residual.own = False
+        self.ttft.update(x, seconds)
+        residual.own = False
+
+    def _untaught(self) -> None:
+        """Another tenant's first token came as the fit from before predicted: the stalls
+        one tenant alone taught were its own. That fit comes back; they count in its bias."""
+        judge = self.judge
+        assert judge.before is not None and judge.teacher is not None
+        self.ttft = judge.before
+        for r in judge.taught:
+            r.own = True
+        teacher = judge.teacher
+        judge.before, judge.teacher, judge.taught = None, None, []
+        judge.refresh(teacher)
 
     def observe_tpot(self, decoding: float, seconds: float) -> None:
         self.tpot.update([1.0, decoding], seconds)
@@ -174,7 +432,14 @@ class ReplicaEstimator:
                            "s_per_1k_tokens_per_decoding_stream": round(c2, 6),
                            "s_per_request_ahead": round(c3, 5),
                            "observations": self.ttft.n,
-                           "stated_error_s": round(self.ttft_error_s, 5)},
+                           "stated_error_s": round(self.ttft_error_s, 5),
+                           "fit_stderr_s": round(self.ttft.stderr, 5)},
+            "ttft_tenants": {t: {"observations": len(self.judge.residuals[t]),
+                                 "bias_s": round(self.judge.biases.get(t, 0.0), 5),
+                                 "spread_s": round(self.judge.spreads.get(t, 0.0), 5),
+                                 "held_stalls": len(self.judge.stalls.get(t, ()))}
+                             for t in self.judge.residuals},
+            "ttft_taught_by": self.judge.teacher,
             "tpot_model": {"base_s": round(a, 6), "s_per_decoding_stream": round(b, 7),
                            "observations": self.tpot.n, "stderr_s": round(self.tpot.stderr, 6)},
             "tokens_per_byte": round(self.tokens_per_byte, 4),

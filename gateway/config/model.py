@@ -112,7 +112,9 @@ class AdmissionConfig:
     max_queue_tokens: int = 4_000_000  # estimated prompt tokens waiting
     max_concurrency: int = 256  # per replica, a hard safety net (a backend may set its own)
     forgetting: float = 0.97  # estimators' forgetting factor (lower adapts faster)
-    safety: float = 1.0  # admit only if predicted + safety * σ(residuals) meets the target
+    # admit only if predicted + safety * σ (its tenant's robust spread of residuals) meets
+    # the target
+    safety: float = 1.0
     prefix_affinity: bool = False  # same prompt prefix -> same replica (engine prefix cache)
     prefix_bytes: int = 4096  # how much of the prompt's start is hashed for affinity
     affinity_slack: float = 0.5  # keep affinity while predicted TTFT <= best * (1 + slack)

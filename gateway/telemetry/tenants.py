@@ -8,6 +8,7 @@
   slogate_tenant_quota_usage_ratio{tenant, quota}                 (0..1: share of a quota used)
   slogate_tenant_backend_holds_total{tenant, backend}   (its own failures held it off a backend)
   slogate_tenant_held_requests_total{tenant}            (refused at once while held: tenant_held)
+  slogate_tenant_ttft_stalls_total{tenant, judged}      (first tokens far later than predicted)
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from gateway.errors import SHED_REASONS, TENANT_HELD
+from gateway.errors import SHED_REASONS, STALL_BACKEND, STALL_OWN, TENANT_HELD
 from gateway.telemetry.counter import Counter
 
 OTHER = "other"
@@ -48,10 +49,18 @@ class TenantMetrics:
                                      "Requests refused at once (503 tenant_held) because their "
                                      "tenant was held off every backend that could serve them.",
                                      ("tenant",), registry=registry)
+        self.ttft_stalls = Counter("slogate_tenant_ttft_stalls",
+                                   "First tokens far later than admission predicted, by tenant "
+                                   "and how they were judged: backend (another tenant's were "
+                                   "late too, or it is alone there: the estimator learned it) "
+                                   "or own (the tenant's alone: it did not).",
+                                   ("tenant", "judged"), registry=registry)
         for tenant in (*sorted(self.known), OTHER):
             for reason in SHED_REASONS:
                 self.sheds.labels(tenant, reason)
             self.held_requests.labels(tenant)
+            for judged in (STALL_OWN, STALL_BACKEND):
+                self.ttft_stalls.labels(tenant, judged)
 
     def label(self, tenant: str | None) -> str:
         return tenant if tenant in self.known else OTHER
@@ -76,6 +85,9 @@ class TenantMetrics:
             self._child(self.tokens, (tenant, "completion")).inc(ctx.completion_tokens)
         if ctx.error_type == TENANT_HELD:
             self._child(self.held_requests, (tenant,)).inc()
+
+    def ttft_stall(self, tenant: str, judged: str) -> None:
+        self._child(self.ttft_stalls, (self.label(tenant), judged)).inc()
 
     def backend_held(self, backend: str, tenant: str) -> None:
         self._child(self.backend_holds, (self.label(tenant), backend)).inc()

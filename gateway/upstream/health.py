@@ -97,6 +97,8 @@ class Breaker:
 
     def available(self, now: float | None = None, tenant: str | None = None) -> bool:
         """Could a request (of `tenant`) go here now (without claiming a probe)?"""
+        if self.state == CLOSED and not self.holds:  # the usual case, on every request
+            return True
         now = now or self.clock()
         if self._held(tenant, now) is not None:
             return False
@@ -108,6 +110,8 @@ class Breaker:
 
     def acquire(self, tenant: str = "") -> bool:
         """Claim this replica for a request of `tenant`; False if the breaker forbids it."""
+        if self.state == CLOSED and not self.holds:
+            return True
         now = self.clock()
         if self._held(tenant, now) is not None:
             return False
