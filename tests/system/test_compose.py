@@ -234,7 +234,9 @@ async def test_nginx_config_streams_sse_unbuffered() -> None:
     port = free_port()
     proc = None
     try:
-        async with sim_and_gateway() as (_, gw):
+        # the engine makes a token every 200 ms (its own setting: the gateway forwards no
+        # simulator header unless a backend lists it)
+        async with sim_and_gateway(("--token-delay-ms", "200")) as (_, gw):
             conf = nginx_conf_for(gw.url.removeprefix("http://"), port, tmp)
             proc = subprocess.Popen([tool("nginx"), "-c", str(conf), "-p", str(tmp),
                                      "-g", "daemon off;"],
@@ -253,7 +255,6 @@ async def test_nginx_config_streams_sse_unbuffered() -> None:
                 await wait_until(nginx_up, timeout=10, interval=0.05, what="nginx answering")
                 arrivals: list[float] = []
                 async with s.post(url + "/v1/chat/completions",
-                                  headers={"x-sim-token-delay-ms": "200"},
                                   json={"model": "m", "stream": True, "max_tokens": 5,
                                         "messages": [{"role": "user", "content": "hi"}]}) as r:
                     assert r.status == 200
