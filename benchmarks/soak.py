@@ -77,6 +77,8 @@ async def gauges(s: aiohttp.ClientSession, url: str) -> dict[str, float]:
         out[name] = float(m.group(1)) if m else -1.0
     out["requests_total"] = sum(float(v) for v in re.findall(
         r"^slogate_requests_total\{[^}]*\} (\S+)$", text, re.M))
+    out["limit_hits"] = sum(float(v) for v in re.findall(
+        r"^slogate_limits_exceeded_total\{[^}]*\} (\S+)$", text, re.M))
     return out
 
 
@@ -257,7 +259,7 @@ async def _soak(pid: int, url: str, port: int, duration: float, load: float, see
     await probe.close()
 
     warm = [x for x in samples if x["t"] >= 0.2 * duration]
-    slope = _slope([x["t"] / 60 for x in warm], [x["rss_mib"] for x in warm])
+    rss_slope = slope([x["t"] / 60 for x in warm], [x["rss_mib"] for x in warm])
     accounted = sum(results.values())
     failures = []
     if accounted != sent:
@@ -265,9 +267,9 @@ async def _soak(pid: int, url: str, port: int, duration: float, load: float, see
     if results.get("silent"):
         failures.append(f"{results['silent']} silent streams (200, no [DONE], no error event)")
     window_min = (warm[-1]["t"] - warm[0]["t"]) / 60 if len(warm) > 1 else 0.0
-    if slope * window_min > 4.0:
-        failures.append(f"RSS grows {slope:.2f} MiB/min after warm-up "
-                        f"({slope * window_min:.1f} MiB over {window_min:.1f} min)")
+    if rss_slope * window_min > 4.0:
+        failures.append(f"RSS grows {rss_slope:.2f} MiB/min after warm-up "
+                        f"({rss_slope * window_min:.1f} MiB over {window_min:.1f} min)")
     if end.get("slogate_requests_in_flight", 1) != 0:
         failures.append(f"in-flight {end.get('slogate_requests_in_flight')} at the end")
     if end.get("slogate_open_connections", 99) > 1:
@@ -280,7 +282,7 @@ async def _soak(pid: int, url: str, port: int, duration: float, load: float, see
         "by_kind": {k: dict(v) for k, v in by_kind.items()},
         "baseline": base, "end": end,
         "rss_peak_mib": max((x["rss_mib"] for x in samples), default=0),
-        "rss_slope_mib_per_min": round(slope, 3),
+        "rss_slope_mib_per_min": round(rss_slope, 3),
         "fds_peak": max((x["fds"] for x in samples), default=0),
         "in_flight_peak": max((x["in_flight"] for x in samples), default=0),
         "failures": failures,
@@ -301,7 +303,8 @@ async def _soak(pid: int, url: str, port: int, duration: float, load: float, see
     return 0
 
 
-def _slope(xs: list[float], ys: list[float]) -> float:
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys over xs (0 for fewer than 3 points)."""
     n = len(xs)
     if n < 3:
         return 0.0

@@ -63,8 +63,10 @@ from typing import Any
 import aiohttp
 
 from benchmarks.procstat import open_fds, rss_mib
+from benchmarks.soak import free_port, gauges, slope
 from gateway.ops import demo
 from tests.support import hostile
+from tests.support.servers import stop_process
 
 KEY = "soak-hostile-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -86,15 +88,6 @@ UPSTREAM: dict[str, tuple[bool, tuple[int, str]]] = {
     "reset-before": (True, (502, "upstream_unreachable")),
     "reset-after": (True, (200, "stream_truncated")),
 }
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]  # (host, port) for AF_INET
-        return port
 
 
 def config_toml(sim_url: str, evil_url: str) -> str:
@@ -174,12 +167,7 @@ async def stack(logs: Path) -> AsyncIterator[Stack]:
         yield Stack(url, gw_port, procs[2].pid, sim_url, logs / "gateway.log")
     finally:
         for p in reversed(procs):
-            p.terminate()
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            stop_process(p)
         cfg.unlink(missing_ok=True)
 
 
@@ -273,18 +261,6 @@ class Run:
                 "failures": self.failures}
 
 
-async def gauges(s: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    async with s.get(url + "/metrics") as r:
-        text = await r.text()
-    out = {}
-    for name in ("slogate_requests_in_flight", "slogate_open_connections"):
-        m = re.search(rf"^{name} (\S+)$", text, re.M)
-        out[name] = float(m.group(1)) if m else -1.0
-    out["limit_hits"] = sum(float(v) for v in re.findall(
-        r"^slogate_limits_exceeded_total\{[^}]*\} (\S+)$", text, re.M))
-    return out
-
-
 async def settle(st: Stack, base_fds: int, timeout: float = 30.0) -> dict[str, float]:
     """Wait until nothing is in flight, no client connection but the probe's is open and the
     descriptors are back at `base_fds` (+2); returns the last reading."""
@@ -298,16 +274,6 @@ async def settle(st: Stack, base_fds: int, timeout: float = 30.0) -> dict[str, f
                     and end["fds"] <= base_fds + 2) or time.monotonic() > deadline:
                 return end
             await asyncio.sleep(0.5)
-
-
-def slope_per_min(samples: list[dict[str, float]]) -> float:
-    xs, ys = [x["t"] / 60 for x in samples], [x["rss_mib"] for x in samples]
-    n = len(xs)
-    if n < 3:
-        return 0.0
-    mx, my = sum(xs) / n, sum(ys) / n
-    var = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
 
 
 async def soak(seconds: float, out: Path, warm_s: float | None = None) -> Run:
@@ -448,14 +414,14 @@ def judge(st: Stack, seconds: float, warm: float, good: Counter[str],
         if wrong:
             failures.append(f"{kind}: {wrong} (expected {sorted(want)})")
     after = [x for x in samples if x["t"] >= warm]
-    slope = slope_per_min(after)
+    rss_slope = slope([x["t"] / 60 for x in after], [x["rss_mib"] for x in after])
     window_min = (after[-1]["t"] - after[0]["t"]) / 60 if len(after) > 1 else 0.0
     rss_warm = after[0]["rss_mib"] if after else base["rss_mib"]
-    if window_min >= 4 and slope > 1.0:
-        failures.append(f"RSS grows {slope:.2f} MiB/min after warm-up")
-    if window_min < 4 and slope * window_min > 4.0:
-        failures.append(f"RSS grows {slope * window_min:.1f} MiB over the {window_min:.1f} min "
-                        f"after warm-up ({slope:.2f} MiB/min)")
+    if window_min >= 4 and rss_slope > 1.0:
+        failures.append(f"RSS grows {rss_slope:.2f} MiB/min after warm-up")
+    if window_min < 4 and rss_slope * window_min > 4.0:
+        failures.append(f"RSS grows {rss_slope * window_min:.1f} MiB over the {window_min:.1f} min "
+                        f"after warm-up ({rss_slope:.2f} MiB/min)")
     if abs(end["rss_mib"] - rss_warm) > 20:
         failures.append(f"RSS {end['rss_mib']:.1f} MiB at the end, {rss_warm:.1f} MiB after "
                         "warm-up")
@@ -468,7 +434,7 @@ def judge(st: Stack, seconds: float, warm: float, good: Counter[str],
     log = st.log_text()
     if "Traceback" in log:
         failures.append(f"a traceback in the gateway's log ({st.log})")
-    return Run(seconds, warm, good, outcomes, samples, base, end, failures, slope, window_min,
+    return Run(seconds, warm, good, outcomes, samples, base, end, failures, rss_slope, window_min,
                rss_warm)
 
 

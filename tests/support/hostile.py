@@ -29,7 +29,7 @@ import contextlib
 import socket
 import struct
 import zlib
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -285,24 +285,26 @@ async def raw_exchange(host: str, port: int, data: bytes, timeout: float = 10.0)
 RESET = b"<connection reset>"
 
 
-async def slowloris(host: str, port: int, every_s: float = 0.2, timeout: float = 10.0) -> bytes:
-    """Trickle a request's headers one byte at a time; return what the server answered once
-    it closed the connection (RESET if a reset overtook its answer: under a flood a reset can
-    reach the client before the bytes written ahead of it)."""
+async def _trickle(host: str, port: int, head: bytes, pieces: Iterable[bytes], every_s: float,
+                  timeout: float) -> bytes:
+    """Send `head`, then `pieces` one write each, `every_s` apart, until the server answers
+    or closes; return its answer (RESET if a reset overtook it)."""
     r, w = await asyncio.open_connection(host, port)
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 10_000
     reader = asyncio.ensure_future(r.read())
     try:
         async with asyncio.timeout(timeout):
-            for b in head:
+            if head:
+                w.write(head)
+            for piece in pieces:
                 if reader.done():
                     break
                 try:
-                    w.write(bytes([b]))
+                    w.write(piece)
                     await w.drain()
                 except ConnectionError:
                     break
-                await asyncio.wait([reader], timeout=every_s)
+                if every_s:
+                    await asyncio.wait([reader], timeout=every_s)
             try:
                 return await reader
             except ConnectionResetError:
@@ -310,6 +312,14 @@ async def slowloris(host: str, port: int, every_s: float = 0.2, timeout: float =
     finally:
         reader.cancel()
         w.close()
+
+
+async def slowloris(host: str, port: int, every_s: float = 0.2, timeout: float = 10.0) -> bytes:
+    """Trickle a request's headers one byte at a time; return what the server answered once
+    it closed the connection (RESET if a reset overtook its answer: under a flood a reset can
+    reach the client before the bytes written ahead of it)."""
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 10_000
+    return await _trickle(host, port, b"", (bytes([b]) for b in head), every_s, timeout)
 
 
 async def idle_connection(host: str, port: int, timeout: float = 10.0) -> bytes:
@@ -323,72 +333,34 @@ async def idle_connection(host: str, port: int, timeout: float = 10.0) -> bytes:
         w.close()
 
 
+def _request_head(key: str, framing: str) -> bytes:
+    return ("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {key}\r\n{framing}\r\n\r\n").encode()
+
+
 async def body_never_arrives(host: str, port: int, key: str, timeout: float = 10.0) -> bytes:
     """An authenticated request that announces 1000 bytes of body and sends 10."""
-    return await raw_exchange(host, port, (
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        f"Authorization: Bearer {key}\r\nContent-Length: 1000\r\n\r\n").encode()
-        + b'{"model":', timeout)
+    return await raw_exchange(host, port, _request_head(key, "Content-Length: 1000")
+                              + b'{"model":', timeout)
 
 
 async def oversized_body(host: str, port: int, key: str, size: int,
                          chunked: bool = False, timeout: float = 10.0) -> bytes:
     """A request whose body is `size` bytes: announced by Content-Length (and 64 KiB of it
     sent), or sent chunked, 64 KiB at a time, until the server answers or closes."""
-    head = ("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Authorization: Bearer {key}\r\n")
     if not chunked:
-        return await raw_exchange(host, port, (head + f"Content-Length: {size}\r\n\r\n")
-                                  .encode() + b"x" * 65536, timeout)
-    r, w = await asyncio.open_connection(host, port)
-    reader = asyncio.ensure_future(r.read())
-    try:
-        async with asyncio.timeout(timeout):
-            w.write((head + "Transfer-Encoding: chunked\r\n\r\n").encode())
-            chunk = b"10000\r\n" + b"x" * 65536 + b"\r\n"
-            for _ in range(0, size, 65536):
-                if reader.done():
-                    break
-                try:
-                    w.write(chunk)
-                    await w.drain()
-                except ConnectionError:
-                    break
-            try:
-                return await reader
-            except ConnectionResetError:
-                return RESET
-    finally:
-        reader.cancel()
-        w.close()
+        return await raw_exchange(host, port, _request_head(key, f"Content-Length: {size}")
+                                  + b"x" * 65536, timeout)
+    chunk = b"10000\r\n" + b"x" * 65536 + b"\r\n"
+    return await _trickle(host, port, _request_head(key, "Transfer-Encoding: chunked"),
+                          (chunk for _ in range(0, size, 65536)), 0.0, timeout)
 
 
 async def slow_body(host: str, port: int, key: str, every_s: float = 0.2,
                     timeout: float = 10.0) -> bytes:
     """An authenticated request whose 1000-byte body is trickled a byte per `every_s`."""
-    r, w = await asyncio.open_connection(host, port)
-    reader = asyncio.ensure_future(r.read())
-    try:
-        async with asyncio.timeout(timeout):
-            w.write(("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                     "Content-Type: application/json\r\n"
-                     f"Authorization: Bearer {key}\r\nContent-Length: 1000\r\n\r\n").encode())
-            for _ in range(1000):
-                if reader.done():
-                    break
-                try:
-                    w.write(b" ")
-                    await w.drain()
-                except ConnectionError:
-                    break
-                await asyncio.wait([reader], timeout=every_s)
-            try:
-                return await reader
-            except ConnectionResetError:
-                return RESET
-    finally:
-        reader.cancel()
-        w.close()
+    return await _trickle(host, port, _request_head(key, "Content-Length: 1000"),
+                          (b" " for _ in range(1000)), every_s, timeout)
 
 
 def status_of(raw: bytes) -> int:
