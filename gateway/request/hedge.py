@@ -157,10 +157,9 @@ class FirstTokenProbe:
 
     def body_data(self, chunk: bytes) -> None:
         t = now_ns()
-        if self.result.done():  # won (anything else: closed, nothing more is read)
-            self.recorded.append((chunk, t))
-            return
         self.recorded.append((chunk, t))
+        if self.result.done():  # won: the relay replays it (anything else: closed at once)
+            return
         self.size += len(chunk)
         fork = self.fork
         try:

@@ -496,11 +496,9 @@ class Proxy:
                 if reason is None:
                     raise  # the race is over, or the request
                 raise deadline_failure(reason) from None
-        except AttemptFailed as e:
-            self._hedge_over(ex, fork, race, e.result, FAILED,
-                             e.judges_backend and not self._clients_own(
-                                 e.result, fork.attempt, overrides) if fork.attempt else False,
-                             e.cause)
+        except AttemptFailed as e:  # (sent: choose_replica raises no AttemptFailed for a fork)
+            judged = e.judges_backend and not self._clients_own(e.result, attempt, overrides)
+            self._hedge_over(ex, fork, race, e.result, FAILED, judged, e.cause)
             return None
         except GatewayError:  # nothing left to send it to
             hedging.skipped(ex, SKIP_NO_REPLICA)

@@ -173,7 +173,7 @@ class Splicer:
             if data is not None:  # one whole event that no shape fits (it would fit the read)
                 ex.t_last_event = t
                 info = self._observe(SSEEvent(None, data, 0, len(chunk)), t)
-                if self.holding():
+                if info.error_type is not None and self.holding():
                     self._hold(chunk)
                     return b""
                 return b"" if info.usage_only and ex.usage_injected else chunk
@@ -195,10 +195,12 @@ class Splicer:
                     ex.event_seen(shape.info, t)
                     continue
                 info = self._observe(ev, t)
-                if self.holding():
-                    if hold_at is None:  # this error and the rest of the read are held
-                        hold_at = ev.start + base if ev.start >= 0 else 0
-                        hold_began_before = ev.start < 0
+                if hold_at is not None:
+                    continue  # after a held error: held with it
+                if info.error_type is not None and self.holding():
+                    # this error and the rest of the read are held
+                    hold_at = ev.start + base if ev.start >= 0 else 0
+                    hold_began_before = ev.start < 0
                     continue
                 if info.usage_only and drop_usage:
                     drop_parts = drop_parts or ev.start < 0  # it began in what was held
@@ -248,9 +250,12 @@ class Splicer:
         kept, and the stream ends with the gateway's own error event if it is not continued."""
         held = self.held_error
         assert held is not None
+        if self.held_flooded:
+            return
         if len(held) + len(data) > ERROR_HOLD_LIMIT:
             self.held_flooded = True
-        elif not self.held_flooded:
+            held.clear()
+        else:
             held += data
 
     @property
@@ -597,7 +602,7 @@ class Relay:
             raise StreamBroken(ATTEMPT_IN_BAND_ERROR, ex.error_type or UPSTREAM_ERROR,
                                UPSTREAM_ERROR, "The upstream ended the stream with an error.",
                                ex.error_type or UPSTREAM_ERROR,
-                               said=b"" if self.splicer.held_flooded else bytes(held))
+                               said=bytes(held))
         if ex.done or complete_at_eof(ex, self.choices):
             if not self._commit():
                 raise deadline_failure(ATTEMPT_HEDGE_LOST)

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from gateway.apis import chat, messages
 from gateway.exchange import Exchange
-from gateway.request.relay import JOIN_LIMIT, Splicer, splice
+from gateway.request.relay import ERROR_HOLD_LIMIT, JOIN_LIMIT, Splicer, splice
 from tests.support.stamps import StampedExchange
 
 ROLE = b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
@@ -178,3 +178,25 @@ def test_a_token_whose_text_has_escapes_keeps_the_shape() -> None:
         for i in range(10):
             splicer.feed(chunk("x", f',"obfuscation":"{i}"'), 100 + i)
     assert ex.token_events == 16 and splicer.shape is None and len(parsed) == 13
+
+
+@settings(max_examples=200, deadline=None)
+@given(n_tokens=st.integers(1, 4), padded=st.sampled_from([0, 3 * JOIN_LIMIT]),
+       flood=st.booleans(), cuts=st.lists(st.integers(0, 10_000), max_size=12))
+def test_a_backend_error_after_the_first_token_and_all_after_it_are_held_in_any_chunking(
+        n_tokens: int, padded: int, flood: bool, cuts: list[int]) -> None:
+    """A stream that may be continued: the client gets every byte before the error event,
+    the error event and what follows are held (exactly), unless they flood past the bound."""
+    tokens = b"".join(b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"t%d%s"}}]}\n\n'
+                      % (i, b"x" * padded) for i in range(n_tokens))
+    error = b'data: {"error":{"message":"boom","type":"internal_server_error"}}\n\n'
+    after = b"data: [DONE]\n\n" + (b": " + b"f" * (ERROR_HOLD_LIMIT + 1) + b"\n\n" if flood
+                                   else b"")
+    ex = Exchange(chat.CHAT)
+    ex.stream, ex.streamed_text = True, []
+    splicer = Splicer(ex, chat.API, max_event_bytes=8 * JOIN_LIMIT)
+    stream = tokens + error + after
+    out = b"".join(splicer.feed(chunk, t) for t, chunk in enumerate(_chunks(stream, cuts), 1))
+    assert out + splicer.held_back() == tokens
+    assert splicer.held_error == (b"" if flood else error + after)
+    assert splicer.held_flooded == flood and ex.done
