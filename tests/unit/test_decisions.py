@@ -251,3 +251,19 @@ def test_the_recorder_config_and_its_errors() -> None:
     log = from_config(RecorderConfig(path="/tmp/d.jsonl"), worker_index=3)
     assert log is not None and log.file is not None and log.file.path == "/tmp/d.w3.jsonl"
     log.close()
+
+
+def test_the_console_snapshot_explains_the_newest_refused_and_slow_requests() -> None:
+    from gateway.console import Console, ConsoleRecorder
+
+    log = DecisionLog(ring_size=100)
+    log.record(refused(1), None)
+    log.record(served(2, verdict="met"), None)  # met its SLO: nothing to explain
+    slow = served(3, verdict="ttft_missed")
+    log.record(slow, ttft_split(slow))
+    explained = Console(ConsoleRecorder(), lambda: None, decisions=log).snapshot()["explained"]
+    assert [r["request_id"] for r in explained] == ["req-3", "req-1"]
+    assert explained[0]["largest_stage"] == "first_token_after_headers"
+    assert explained[0]["queue_wait_ms"] == 120.0 and explained[0]["replica"] == "a"
+    assert explained[1]["why"].startswith("refused: ttft_infeasible; best predicted TTFT 812 ms")
+    assert Console(ConsoleRecorder(), lambda: None).snapshot()["explained"] == []
