@@ -13,10 +13,12 @@ import pytest
 
 from gateway import config
 from gateway.config import RecorderConfig, SLOClass, SLOTarget
+from gateway.console import Console, ConsoleRecorder
 from gateway.console.why import explain
 from gateway.exchange import MAX_CANDIDATES, Attempt, Exchange
 from gateway.telemetry.attribution import ttft_split
 from gateway.telemetry.decisions import DecisionLog, RotatingLines, decision_record, from_config
+from tests.support.waiting import wait_until
 
 MS = 1_000_000
 INTERACTIVE = SLOClass("interactive", 400, 60)
@@ -74,7 +76,7 @@ def served(i: int = 0, *, verdict: str = "met", tenant: str = "acme") -> Exchang
 def test_a_refusals_record_says_why_and_holds_no_content() -> None:
     ex = refused()
     rec = decision_record(ex, None, wall_now=1000.0)
-    assert SCHEMA <= set(rec) and set(rec["admission"]) == ADMISSION
+    assert set(rec) >= SCHEMA and set(rec["admission"]) == ADMISSION
     adm = rec["admission"]
     assert (adm["decision"], adm["reason"], adm["chosen"]) == ("rejected", "ttft_infeasible",
                                                                None)
@@ -180,7 +182,6 @@ async def test_on_the_event_loop_lines_are_buffered_then_written_by_the_thread(
     for i in range(100):
         lines.add(b'{"i":%d}\n' % i)
     assert lines.state()["pending"] == 100  # nothing written on the loop itself
-    from tests.support.waiting import wait_until
     await wait_until(lambda: lines.state()["written"] == 100)
     lines.close()
     assert len(path.read_bytes().splitlines()) == 100
@@ -189,7 +190,7 @@ async def test_on_the_event_loop_lines_are_buffered_then_written_by_the_thread(
 def test_a_writer_that_cannot_keep_up_drops_and_counts(tmp_path: Path) -> None:
     lines = RotatingLines(str(tmp_path / "d.jsonl"), 1 << 20, 1, max_pending=3)
     lines._timer = object()  # type: ignore[assignment]  # a flush is already due: buffer only
-    for i in range(5):
+    for _ in range(5):
         lines.add(b"{}\n")
     assert lines.state()["pending"] == 3 and lines.dropped == 2
     lines._timer = None
@@ -242,7 +243,8 @@ def test_the_recorder_config_and_its_errors() -> None:
     assert env.ring_size == 7
     for bad, key in (({"ring_size": 0}, "recorder.ring_size"),
                      ({"max_bytes": 10}, "recorder.max_bytes"),
-                     ({"backups": -1}, "recorder.backups"), ({"enabled": "yes"}, "recorder.enabled"),
+                     ({"backups": -1}, "recorder.backups"),
+                     ({"enabled": "yes"}, "recorder.enabled"),
                      ({"path": " x"}, "recorder.path"), ({"ring": 5}, "recorder.ring")):
         with pytest.raises(config.ConfigError) as e:
             config.parse({**base, "recorder": bad}, env={})
@@ -254,8 +256,6 @@ def test_the_recorder_config_and_its_errors() -> None:
 
 
 def test_the_console_snapshot_explains_the_newest_refused_and_slow_requests() -> None:
-    from gateway.console import Console, ConsoleRecorder
-
     log = DecisionLog(ring_size=100)
     log.record(refused(1), None)
     log.record(served(2, verdict="met"), None)  # met its SLO: nothing to explain
