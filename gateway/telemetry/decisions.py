@@ -169,9 +169,8 @@ class DecisionLog:
 
 class RotatingLines:
     """Appends lines (each ending in a newline) to a size-bounded file off the event loop:
-    `add` buffers (a list append),
-    one writer thread writes the buffer every FLUSH_S and rotates path → path.1 … path.N when
-    the next line would take the file past max_bytes."""
+    `add` buffers (a list append), one writer thread writes the buffer every FLUSH_S and
+    rotates path → path.1 … path.N when the next line would take the file past max_bytes."""
 
     def __init__(self, path: str, max_bytes: int, backups: int, flush_s: float = FLUSH_S,
                  max_pending: int = MAX_PENDING) -> None:
