@@ -37,6 +37,12 @@ def new_request_id() -> str:
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
+# A replica admission weighed for a request: (name, predicted TTFT s or None, in flight,
+# limit, why not; "" where both targets held).
+Candidate = tuple[str, float | None, int, int, str]
+MAX_CANDIDATES = 8  # replicas kept per request: the record stays small however many there are
+
+
 class Lease(Protocol):
     """Admission's claim on a replica for one request (admission.controller.Ticket)."""
 
@@ -98,7 +104,7 @@ class Exchange:
         "interruption", "trace", "server_address", "server_port", "tenant", "tenant_label",
         "policy", "served_model",
         "admission", "t_queued", "t_admitted", "t_last_event", "t_dispatched", "attempts",
-        "on_first_token",
+        "on_first_token", "candidates", "estimated_tokens", "predicted_wait_s",
         # the phases' working state
         "api", "operation", "key", "body", "parsed", "attempt", "ticket", "response",
         "retry_budget_at", "last_failure", "too_long_for", "streamed_text", "continued_from",
@@ -161,6 +167,10 @@ class Exchange:
         self.t_dispatched = 0  # first upstream attempt sent (end of the gateway queue)
         self.attempts: list[Attempt] = []  # earlier upstream attempts that failed before commit
         self.on_first_token: Callable[[], None] | None = None  # admission, at the first token
+        # the replicas admission weighed (considered(); None: none), read by the decision log
+        self.candidates: list[Candidate] | None = None
+        self.estimated_tokens: float | None = None  # admission's estimate of prompt tokens
+        self.predicted_wait_s: float | None = None  # admission's predicted queue wait
         self.api: Api | None = None  # the client's API adapter (from the route table)
         self.operation = "chat"
         self.key: GatewayKey | None = None  # None in open mode
@@ -252,6 +262,22 @@ class Exchange:
         self.usage_injected = False
         self.provider_queue_s = self.provider_prefill_s = self.provider_decode_s = None
         self.provider_prefill_inferred = False
+
+    def considered(self, replica: str, predicted_ttft_s: float | None, in_flight: int,
+                   limit: int, why: str) -> None:
+        """Admission weighed `replica` for this request: its latest look at each replica is
+        kept (a queued request is weighed again on every pass), at most MAX_CANDIDATES."""
+        row = (replica, predicted_ttft_s, in_flight, limit, why)
+        rows = self.candidates
+        if rows is None:
+            self.candidates = [row]
+            return
+        for i, old in enumerate(rows):
+            if old[0] == replica:
+                rows[i] = row
+                return
+        if len(rows) < MAX_CANDIDATES:
+            rows.append(row)
 
     # -- what the upstream said: one place stamps the timeline from an adapter's EventInfo ----
     def event_seen(self, info: EventInfo, t: int) -> None:

@@ -485,20 +485,25 @@ class AdmissionController:
         why = "no_capacity"
         for load in loads:
             if not load.replica.available(ctx.tenant_label):
+                ctx.considered(load.replica.name, None, load.in_flight, load.limit(), "unavailable")
                 continue
             if load.in_flight >= load.limit():
                 why = "concurrency_cap"
+                ctx.considered(load.replica.name, None, load.in_flight, load.limit(), why)
                 continue
             est = load.est
             pred_ttft = est.predict_ttft(self._ahead(load) + tokens, load.decoding_now(),
                                          load.requests_ahead(), ctx.tenant_label)
             if pred_ttft + self.cfg.safety * est.ttft_spread_s(ctx.tenant_label) > ttft_budget:
                 why = "ttft_wait"
+                ctx.considered(load.replica.name, pred_ttft, load.in_flight, load.limit(), why)
                 continue
             pred_tpot = est.predict_tpot(load.decoding_now() + 1)
             if pred_tpot > min(tpot_target, load.min_tpot_target_s()):
                 why = "tpot_wait"
+                ctx.considered(load.replica.name, pred_ttft, load.in_flight, load.limit(), why)
                 continue
+            ctx.considered(load.replica.name, pred_ttft, load.in_flight, load.limit(), "")
             ok.append((pred_ttft, load))
         while ok:
             load, pred = self._choose(ok, prefix)
@@ -633,6 +638,8 @@ class AdmissionController:
 
     def _decided(self, ctx: Exchange, decision: str, reason: str) -> None:
         ctx.admission = (decision, reason)
+        if ctx.estimated_tokens is None:  # for the decision log: admit()'s estimate
+            ctx.estimated_tokens = len(ctx.body) * self.calibration.ratio(ctx.tenant_label)
         if decision == ADMITTED:
             self.shed_log.admitted()
         self.metrics.child(self.metrics.admission, (ctx.model_label, ctx.route, ctx.target.name,

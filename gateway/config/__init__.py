@@ -13,6 +13,7 @@ from gateway.config.model import (
     Config,
     GatewayKey,
     Quotas,
+    RecorderConfig,
     RetryPolicy,
     ServerConfig,
     SLOClass,
@@ -27,6 +28,6 @@ from gateway.errors import ConfigError
 __all__ = [
     "DEFAULT_CLASS", "OPEN_POLICY", "OTHER_ENV", "OTLP_PROTOCOLS", "AdminKey", "AdmissionConfig",
     "AuthConfig", "BackendConfig", "BreakerPolicy", "Config", "ConfigError", "GatewayKey",
-    "Quotas", "RetryPolicy", "SLOClass", "SLOConfig", "SLOTarget", "ServerConfig",
+    "Quotas", "RecorderConfig", "RetryPolicy", "SLOClass", "SLOConfig", "SLOTarget", "ServerConfig",
     "TelemetryConfig", "TenantPolicy", "Timeouts", "check_types", "load", "parse",
 ]

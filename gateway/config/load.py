@@ -36,6 +36,7 @@ from gateway.config.model import (
     Config,
     GatewayKey,
     Quotas,
+    RecorderConfig,
     RetryPolicy,
     ServerConfig,
     SLOClass,
@@ -102,7 +103,7 @@ def _origin(key: str, origins: Mapping[str, str]) -> str | None:
 
 def _parse(raw: dict[str, Any], providers: Collection[str]) -> Config:
     sections = {"server", "backends", "auth", "timeouts", "retry", "breaker", "fallbacks",
-                "admission", "telemetry", "slo", "slo_classes"}
+                "admission", "telemetry", "slo", "slo_classes", "recorder"}
     unknown = set(raw) - sections
     if unknown:
         key = sorted(unknown)[0]
@@ -134,7 +135,8 @@ def _parse(raw: dict[str, Any], providers: Collection[str]) -> Config:
     admission = _admission(raw.get("admission", {}))
     return Config(server=server, backends=backends, auth=auth, retry=retry, breaker=breaker,
                   fallbacks=fallbacks, context_fallbacks=context_fallbacks,
-                  admission=admission, telemetry=telemetry, slo=slo)
+                  admission=admission, telemetry=telemetry, slo=slo,
+                  recorder=_recorder(raw.get("recorder", {})))
 
 
 def _toml_value(text: str) -> Any:
@@ -158,6 +160,7 @@ _ENV_SECTIONS: dict[str, tuple[str, ...]] = {
     "retry": tuple(RetryPolicy.__dataclass_fields__),
     "breaker": tuple(BreakerPolicy.__dataclass_fields__),
     "admission": tuple(AdmissionConfig.__dataclass_fields__),
+    "recorder": tuple(RecorderConfig.__dataclass_fields__),
 }
 
 
@@ -723,6 +726,23 @@ def _telemetry(table: Any) -> TelemetryConfig:
         trace_sample_ratio=_ratio("telemetry", table, "trace_sample_ratio", d.trace_sample_ratio),
         otlp_chunk_metrics=flag("otlp_chunk_metrics"),
     )
+
+
+def _recorder(table: Any) -> RecorderConfig:
+    if not isinstance(table, dict):
+        raise ConfigError("recorder", table, "a table")
+    _check_keys("recorder", table, set(RecorderConfig.__dataclass_fields__))
+    d = RecorderConfig()
+    path: str = _typed("recorder", table, "path", str, d.path,
+                       "a file path for the decisions' JSON lines, or empty")
+    if path.strip() != path or "\0" in path:
+        raise ConfigError("recorder.path", path, "a file path without surrounding spaces")
+    return RecorderConfig(
+        enabled=_typed("recorder", table, "enabled", bool, d.enabled, "true or false"),
+        ring_size=_count("recorder", table, "ring_size", d.ring_size, 1),
+        path=path,
+        max_bytes=_count("recorder", table, "max_bytes", d.max_bytes, 4096),
+        backups=_count("recorder", table, "backups", d.backups, 0))
 
 
 def _ratio(where: str, table: dict[str, Any], key: str, default: float) -> float:

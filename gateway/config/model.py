@@ -313,6 +313,18 @@ class TelemetryConfig:
 
 
 @dataclass(frozen=True)
+class RecorderConfig:
+    """The flight recorder of admission and routing decisions (GET /admin/decisions)."""
+    enabled: bool = True
+    ring_size: int = 2000  # the newest decisions kept in memory (~1 KiB each)
+    # Also append each decision as a JSON line to this file (empty: memory only); rotated at
+    # max_bytes, keeping `backups` older files (path.1 … path.N).
+    path: str = ""
+    max_bytes: int = 64 * 1024 * 1024
+    backups: int = 5
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig
     backends: tuple[BackendConfig, ...]
@@ -326,3 +338,4 @@ class Config:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)
+    recorder: RecorderConfig = field(default_factory=RecorderConfig)

@@ -2,7 +2,8 @@
 (one JSON snapshot) and `/console/events` (the same snapshot pushed as SSE once a second).
 
 The live part of a snapshot (backends, admission queue) is read from the running gateway at
-the moment a browser asks; the finished-request part comes from the ConsoleRecorder. A snapshot
+the moment a browser asks; the finished-request part comes from the ConsoleRecorder, and why
+the newest refused or slow requests were so from the decision log (console/why.py). A snapshot
 is computed at most once per STATE_MAX_AGE_S and shared by every open tab and every poll of
 /console/state: a loop of polls costs a cached write each, not a recomputation.
 
@@ -24,9 +25,11 @@ from aiohttp import web
 
 from gateway.admission.controller import AdmissionView
 from gateway.console.recorder import ConsoleRecorder
+from gateway.console.why import explain
 from gateway.edge import limits
 from gateway.edge.hosts import HostAllowList
 from gateway.request.proxy import RequestsView
+from gateway.telemetry.decisions import DecisionLog
 from gateway.upstream.routing import ReplicaView
 
 ConsoleHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -34,6 +37,7 @@ BREAKER_STATES = {0: "closed", 1: "half_open", 2: "open"}
 ASSETS = {"console.js": "application/javascript", "console.css": "text/css"}
 PUSH_INTERVAL_S = 1.0
 STATE_MAX_AGE_S = 0.25  # how old a snapshot /console/state or a push may serve
+EXPLAINED = 10  # refused or slow requests the snapshot explains (the newest)
 # What console.html and console.js load: their own script, stylesheet and event stream (the
 # charts are DOM-built SVG, styles set through CSSOM), nothing else.
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
@@ -101,8 +105,10 @@ class Console:
 
     def __init__(self, recorder: ConsoleRecorder, live: Callable[[], Live | None],
                  version: str = "", hosts: HostAllowList | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 decisions: DecisionLog | None = None) -> None:
         self.recorder = recorder
+        self.decisions = decisions  # the flight recorder: why a request was refused or slow
         self.live = live
         self.version = version
         self.hosts = hosts or HostAllowList(())
@@ -113,6 +119,8 @@ class Console:
     def snapshot(self) -> dict[str, Any]:
         out = self.recorder.snapshot()
         out.update(live_state(self.live()))
+        out["explained"] = ([explain(r) for r in self.decisions.explainable(EXPLAINED)]
+                            if self.decisions is not None else [])
         out["time"] = time.time()
         out["version"] = self.version
         return out

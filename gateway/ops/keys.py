@@ -16,6 +16,7 @@ from gateway.ops.workers import WorkerContext
 from gateway.request.finish import Finisher
 from gateway.request.proxy import Proxy
 from gateway.request.slo import SLOPolicy
+from gateway.telemetry.decisions import DecisionLog
 from gateway.telemetry.otlp_metrics import OTLPMetrics
 from gateway.telemetry.prometheus import Metrics
 from gateway.telemetry.tracing import Tracing
@@ -31,6 +32,8 @@ METRICS_KEY = web.AppKey("metrics", Metrics)
 DRAINING_KEY = web.AppKey("draining", asyncio.Event)
 RECORDER_KEY = web.AppKey("console_recorder", ConsoleRecorder)
 CONSOLE_KEY = web.AppKey("console", Console)
+# the flight recorder of admission decisions (None: [recorder] enabled = false)
+DECISIONS_KEY: web.AppKey[DecisionLog | None] = web.AppKey("decisions")
 ADMIN_APP_KEY = web.AppKey("admin_app", web.Application)  # with [server] admin_port
 # serve --workers N: this worker's place on the host (None: a single gateway)
 WORKER_KEY: web.AppKey[WorkerContext | None] = web.AppKey("worker")

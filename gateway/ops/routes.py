@@ -20,6 +20,7 @@ from gateway.exchange import new_request_id
 from gateway.ops.keys import (
     ADMISSION_KEY,
     CONFIG_KEY,
+    DECISIONS_KEY,
     DRAINING_KEY,
     METRICS_KEY,
     PROXY_KEY,
@@ -27,6 +28,7 @@ from gateway.ops.keys import (
     WORKER_KEY,
 )
 from gateway.request.proxy import REQUEST_ID_HEADER
+from gateway.telemetry.decisions import FILTERS, MAX_QUERY
 from gateway.upstream.routing import Router
 
 
@@ -69,6 +71,7 @@ class Routes:
         admin_app.router.add_get("/admin/admission",
                                  with_id(self.admin_only(self.admission_state)))
         admin_app.router.add_get("/admin/backends", with_id(self.admin_only(self.backends_state)))
+        admin_app.router.add_get("/admin/decisions", with_id(self.admin_only(self.decisions)))
         app.router.add_get("/", with_id(self.index))
         app.router.add_get("/healthz", with_id(self.healthz))
         app.router.add_get("/readyz", with_id(self.readyz))
@@ -137,6 +140,22 @@ class Routes:
         if worker is not None:
             body = worker.host_admission_view(body)
         return web.json_response(body, dumps=_dumps)
+
+    async def decisions(self, request: web.Request) -> web.Response:
+        """The flight recorder: the newest admission and routing decisions first, filtered by
+        `?outcome=`, `?slo_class=`, `?tenant=` (the label), `?verdict=`, `?decision=`, at
+        most `?limit=` (default 100, at most MAX_QUERY) of them."""
+        log = self.app[DECISIONS_KEY]
+        if log is None:
+            return web.json_response({"recorder": None, "decisions": []}, dumps=_dumps)
+        q = request.query
+        raw = q.get("limit", "100")
+        if not raw.isdigit() or not 1 <= int(raw) <= MAX_QUERY:
+            return web.Response(status=400, content_type="application/json", body=chat.error_body(
+                400, f"'limit' must be an integer from 1 to {MAX_QUERY}, not "
+                f"{limits.clip(raw, 16)!r}.", "invalid_limit"))
+        match = {k: q[k] for k in FILTERS if k in q}
+        return web.Response(body=log.body(int(raw), **match), content_type="application/json")
 
     async def backends_state(self, request: web.Request) -> web.Response:
         """Per-model and per-replica health: breakers, active checks, what is available."""

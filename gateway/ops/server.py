@@ -28,6 +28,7 @@ from gateway.ops.keys import (
     AUTH_KEY,
     CONFIG_KEY,
     CONSOLE_KEY,
+    DECISIONS_KEY,
     DRAINING_KEY,
     FINISHER_KEY,
     METRICS_KEY,
@@ -45,7 +46,7 @@ from gateway.ops.workers import WorkerContext
 from gateway.request.finish import Finisher
 from gateway.request.proxy import Proxy
 from gateway.request.slo import SLOPolicy
-from gateway.telemetry import access_log
+from gateway.telemetry import access_log, decisions as decision_log
 from gateway.telemetry.otlp_metrics import OTLPMetrics
 from gateway.telemetry.prometheus import Metrics
 from gateway.telemetry.tracing import Tracing
@@ -88,7 +89,11 @@ def build_app(cfg: Config, *, tracing: Tracing | None = None,
     app[RECORDER_KEY] = recorder = ConsoleRecorder(cfg.slo.classes.values())
     s = cfg.server  # the console has no key: it answers only Hosts it knows (DNS rebinding)
     hosts = HostAllowList((s.host, s.admin_host, *s.console_hosts))
-    app[CONSOLE_KEY] = console = Console(recorder, lambda: live(app), gateway.version(), hosts)
+    # The flight recorder of admission decisions (GET /admin/decisions, the console's "why").
+    app[DECISIONS_KEY] = decisions = decision_log.from_config(
+        cfg.recorder, worker.index if worker is not None else None)
+    app[CONSOLE_KEY] = console = Console(recorder, lambda: live(app), gateway.version(), hosts,
+                                         decisions=decisions)
     console.add_routes(admin_app if cfg.server.admin_console else app)
     app.on_startup.append(startup)
     app.on_cleanup.append(cleanup)
@@ -116,7 +121,7 @@ async def startup(app: web.Application) -> None:
     app[FINISHER_KEY] = finisher = Finisher(
         metrics, app[TRACING_KEY] or Tracing(cfg.telemetry),
         app[OTLP_METRICS_KEY] or OTLPMetrics(cfg.telemetry), cfg.telemetry.prometheus,
-        console=app[RECORDER_KEY])
+        console=app[RECORDER_KEY], decisions=app[DECISIONS_KEY])
     admission = None
     shared: SharedState | HostLocalState | None = None  # Redis, or the host's workers
     if cfg.admission.enabled:
@@ -152,6 +157,8 @@ async def cleanup(app: web.Application) -> None:
     # Shutdown flushes over the network and blocks: keep it off the event loop.
     await asyncio.to_thread(finisher.tracing.shutdown)
     await asyncio.to_thread(finisher.otlp.shutdown)
+    if finisher.decisions is not None:  # its file's last lines
+        await asyncio.to_thread(finisher.decisions.close)
 
 
 def setup_logging() -> None:

@@ -1,5 +1,5 @@
 """Finish: everything produced once from the finished context — the SLO verdict, Prometheus
-metrics, spans, OTLP metrics and the JSON access-log line."""
+metrics, spans, OTLP metrics, the decision log and the JSON access-log line."""
 from __future__ import annotations
 
 from typing import Protocol
@@ -9,6 +9,7 @@ from gateway.exchange import Exchange
 from gateway.request.slo import verdict
 from gateway.telemetry import access_log
 from gateway.telemetry.attribution import ttft_split
+from gateway.telemetry.decisions import DecisionLog
 from gateway.telemetry.otlp_metrics import OTLPMetrics
 from gateway.telemetry.prometheus import Metrics
 from gateway.telemetry.tracing import Tracing
@@ -22,8 +23,10 @@ class Recorder(Protocol):
 
 class Finisher:
     def __init__(self, metrics: Metrics, tracing: Tracing, otlp: OTLPMetrics,
-                 prometheus: bool = True, console: Recorder | None = None) -> None:
+                 prometheus: bool = True, console: Recorder | None = None,
+                 decisions: DecisionLog | None = None) -> None:
         self.console = console
+        self.decisions = decisions
         self.metrics = metrics
         self.prometheus = prometheus
         self.tracing = tracing
@@ -50,4 +53,6 @@ class Finisher:
             self.otlp.record(ctx, operation, provider)
         if self.console is not None:
             self.console.record(ctx)
+        if self.decisions is not None:
+            self.decisions.record(ctx, split)
         access_log.write(ctx, split)

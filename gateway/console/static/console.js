@@ -163,6 +163,23 @@ function renderRecent(s) {
   }
 }
 
+function renderExplained(s) {
+  const body = $("#explained tbody");
+  body.textContent = "";
+  const rows = s.explained || [];
+  if (!rows.length) {
+    body.append(el("tr", {}, el("td", {class: "dim", colSpan: 6, text: "No refused or slow request recorded."})));
+    return;
+  }
+  const now = s.time;
+  for (const r of rows) {
+    body.append(el("tr", {}, el("td", {text: r.t ? fmt(Math.max(0, now - r.t)) + " s" : "–"}),
+      el("td", {class: "mono", text: r.request_id}), el("td", {text: r.slo_class || "–"}),
+      el("td", {text: r.tenant || "–"}), el("td", {class: "badc", text: r.status}),
+      el("td", {class: "why", text: r.why})));
+  }
+}
+
 function renderEmpty(s) {
   const empty = $("#empty");
   empty.hidden = s.requests_total > 0;
@@ -178,7 +195,7 @@ function render(s) {
   $("#total").textContent = String(s.requests_total);
   $("#queued").textContent = s.admission.enabled ? String(s.admission.queued) : "off";
   $("#uptime").textContent = s.uptime_s < 120 ? `${Math.round(s.uptime_s)} s` : `${Math.round(s.uptime_s / 60)} min`;
-  renderEmpty(s); renderClasses(s); renderWaterfall(s); renderBackends(s); renderAdmission(s); renderRecent(s);
+  renderEmpty(s); renderClasses(s); renderWaterfall(s); renderBackends(s); renderAdmission(s); renderExplained(s); renderRecent(s);
   document.body.dataset.updates = String((Number(document.body.dataset.updates) || 0) + 1);
 }
 
