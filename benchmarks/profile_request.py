@@ -24,7 +24,9 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from benchmarks import overhead as ov
 
@@ -110,7 +112,7 @@ def stage_table(stats_file: Path, cpu_us_per_request: float | None,
     if not requests:
         raise SystemExit("no request was profiled")
 
-    def cum(specs: list[tuple[str, ...]]) -> float:
+    def cum(specs: Sequence[tuple[str, ...]]) -> float:
         total = 0.0
         for s in specs:
             for k, v in raw.items():
@@ -172,15 +174,14 @@ def main(argv: list[str] | None = None) -> int:
         ov.wait_http(procs, "gateway", f"http://{host}:{port}/healthz")
         url = f"http://{host}:{port}/v1/chat/completions"
 
-        def load(name: str) -> dict[str, object]:
+        def load(name: str) -> dict[str, Any]:
             spec = {"path": name, "url": url, "streams": args.streams, "warmup": 1.0,
                     "duration": args.duration, "tokens": args.tokens, "token_ms": 2.0,
                     "grace": 5.0, "watch": {"gateway": gw.pid}}
             return ov.run_client(procs, tmp, spec, load_cpu)
 
         plain = load("plain")
-        cpu = plain["cpu"]["gateway"]["cpu_s"]  # type: ignore[index]
-        cpu_us = cpu / plain["requests"] * 1e6  # type: ignore[operator]
+        cpu_us: float = plain["cpu"]["gateway"]["cpu_s"] / plain["requests"] * 1e6
         os.kill(gw.pid, signal.SIGUSR1)
         load("profiled")
         os.kill(gw.pid, signal.SIGUSR2)
