@@ -96,6 +96,7 @@ BACKEND_FAULTS = frozenset((ATTEMPT_CUT, ATTEMPT_STALLED, ATTEMPT_IN_BAND_ERROR,
 # Upstream error bodies are passed through; bounded so a misbehaving upstream cannot make us
 # hold an unbounded body.
 MAX_ERROR_BODY = 1024 * 1024
+ADMISSION_OFF = ("admitted", "admission_off")  # every request's decision without admission
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,9 +250,7 @@ class Proxy:
         """Admission control: admit now, queue, or refuse (429 with Retry-After). Hands on
         `ex.ticket` (the replica admission chose), or nothing when admission is off."""
         if self.admission is None:
-            ex.admission = ("admitted", "admission_off")
-            self.metrics.child(self.metrics.admission, (ex.model_label, ex.route, ex.target.name,
-                                                        *ex.admission)).inc()
+            ex.admission = ADMISSION_OFF  # counted in finish: nothing the send needs
             return
         api = self._api(ex)
         ex.ticket = await self.admission.admit(
@@ -794,6 +793,9 @@ class Proxy:
             else:
                 ex.attempt.close()
         self.metrics.in_flight.dec()
+        if ex.admission is ADMISSION_OFF:
+            self.metrics.child(self.metrics.admission, (ex.model_label, ex.route, ex.target.name,
+                                                        *ADMISSION_OFF)).inc()
         last = ex.attempt or (ex.attempts[-1] if ex.attempts else None)
         self.finisher.finish(ex, ex.operation,
                              last.replica.cfg.provider if last is not None else "unknown")
