@@ -383,12 +383,14 @@ class Relay:
             return  # ending already (client gone, event too large): nothing more goes out
         ex = self.ex
         t = now_ns()
-        first = False
         try:
             out = self.splicer.feed(chunk, at or t)
-            # The first token's bookkeeping (deadlines, admission's estimate) waits until
-            # the read that brought it has been written: the client gets it first.
-            first = not self.idle_armed and ex.token_events > self.tokens_before
+            if not self.idle_armed and ex.token_events > self.tokens_before:
+                self.watchdog.first_token()
+                self.idle_armed = True
+                if ex.on_first_token is not None:
+                    ex.on_first_token()
+                    ex.on_first_token = None
             wire = self.wire
             if wire is not None:
                 if out:
@@ -420,19 +422,7 @@ class Relay:
             self._finish(e.with_traceback(None))
         except Exception as e:  # a bug of ours: raised by the coroutine, as before (never
             self._finish(e)  # into aiohttp's parser, which would blame the upstream)
-        if first:
-            self._first_token()
         ex.overhead_ns += now_ns() - t
-
-    def _first_token(self) -> None:
-        """This attempt's first token has gone out (or was held): the idle deadline starts,
-        and admission hears that the prefill is over."""
-        ex = self.ex
-        self.watchdog.first_token()
-        self.idle_armed = True
-        if ex.on_first_token is not None:
-            ex.on_first_token()
-            ex.on_first_token = None
 
     def _in_band_failure(self) -> AttemptFailed | None:
         """An error event before any token, while the commit waits for one: an overload or a
