@@ -21,6 +21,7 @@ from typing import Any
 
 import orjson
 
+from gateway.errors import ConfigError
 from gateway.ops import loadgen, replay
 
 FEASIBLE = 0.9  # a class's targets hold at a load when this share of its requests met them
@@ -32,8 +33,8 @@ def sim_capacity(knobs: Mapping[str, Any]) -> float:
     per request, E[out] * (decode_base / B + decode_per_seq) + E[prompt] / prefill rate."""
     e_prompt, e_out = sum(PROMPT) / 2, sum(OUTPUT) / 2
     b = float(knobs["max_batch"])
-    per_req = (e_out * (knobs["decode_base_ms"] / b + knobs["decode_per_seq_ms"]) / 1e3
-               + e_prompt / knobs["prefill_tokens_per_s"])
+    per_req = (e_out * (float(knobs["decode_base_ms"]) / b + float(knobs["decode_per_seq_ms"]))
+               / 1e3 + e_prompt / float(knobs["prefill_tokens_per_s"]))
     return 1.0 / per_req
 
 
@@ -78,7 +79,8 @@ def recommend(points: Sequence[tuple[float, Mapping[str, Any]]], classes: Sequen
     k = knees(points, classes)
     for c in classes:
         ttft, tpot = targets.get(c, (math.nan, math.nan))
-        if k[c] is None:
+        load = k[c]
+        if load is None:
             low = min(by_load)
             p99 = by_load[low]["classes"].get(c, {}).get("ttft_p99_ms")
             lines.append(f"- {c} (TTFT {ttft:g} ms, TPOT {tpot:g} ms): not feasible at any "
@@ -86,7 +88,7 @@ def recommend(points: Sequence[tuple[float, Mapping[str, Any]]], classes: Sequen
                          "targets or add capacity")
         else:
             lines.append(f"- {c} (TTFT {ttft:g} ms, TPOT {tpot:g} ms): feasible up to "
-                         f"{k[c]:g}x capacity ({k[c] * capacity:.1f} req/s offered)")
+                         f"{load:g}x capacity ({load * capacity:.1f} req/s offered)")
     held = [v for v in k.values() if v is not None]
     if held:
         knee = min(held)
@@ -169,7 +171,7 @@ async def bench(args: argparse.Namespace) -> tuple[list[tuple[float, dict[str, A
             print(f"slogate bench: {load:g}x capacity ({load * capacity:.1f} req/s) for "
                   f"{args.seconds:g} s …", file=sys.stderr, flush=True)
             s = await replay.run_variant(raw, replay.Variant(f"load-{load:g}", settings), plan,
-                                         args.engine, sim_args, 1.0, Path(tmp))
+                                         args.engine, sim_args, 1.0, Path(tmp), args.seconds)
             points.append((load, s))
     return points, classes, capacity, recommend(points, classes, capacity, targets)
 
@@ -195,7 +197,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         points, classes, capacity, advice = asyncio.run(bench(args))
-    except Exception as e:  # noqa: BLE001 - a config, engine or port problem: one line
+    except (ValueError, OSError, RuntimeError, tomllib.TOMLDecodeError, ConfigError) as e:
         print(f"slogate bench: {e}", file=sys.stderr)
         return 2
     print(f"capacity {capacity:.2f} req/s; goodput = requests that met both SLO targets "

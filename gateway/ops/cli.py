@@ -142,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from gateway.ops import demo
         return demo.run(args.duration, args.port, args.sim_port, args.concurrency)
-    from gateway.ops import server, workers
+    from gateway.ops import check, server, workers
+    if args.worker is None:  # the supervisor's workers would say it again
+        check.warn_infeasible(args.config)
     try:
         n = workers.parse_workers(args.workers) if args.workers is not None else None
     except ValueError as e:

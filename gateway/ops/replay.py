@@ -55,7 +55,8 @@ def parse_line(rec: Mapping[str, Any], bytes_per_token: int = 4) -> tuple[
     t = rec.get("t")
     if not isinstance(t, (int, float)):
         return None
-    admission = rec.get("admission") if isinstance(rec.get("admission"), dict) else {}
+    admission = rec.get("admission")
+    decision = admission.get("decision") if isinstance(admission, dict) else None
     if isinstance(rec.get("ms"), dict):  # the access log
         ttft, e2e = rec["ms"].get("ttft"), rec["ms"].get("e2e")
         estimate = (_int(rec.get("body_bytes")) or 0) // bytes_per_token or None
@@ -71,7 +72,7 @@ def parse_line(rec: Mapping[str, Any], bytes_per_token: int = 4) -> tuple[
                               bool(rec.get("stream", True)))
     outcome = Outcome(float(t), rec.get("slo_class"), status, rec.get("verdict"),
                       float(ttft) if isinstance(ttft, (int, float)) else None,
-                      status == REFUSED or admission.get("decision") == "rejected",
+                      status == REFUSED or decision == "rejected",
                       float(e2e) if isinstance(e2e, (int, float)) else None)
     return planned, outcome
 
@@ -260,9 +261,10 @@ class Stack:
 
 async def run_variant(raw: Mapping[str, Any], variant: Variant, plan: Sequence[loadgen.Planned],
                       engine: str | None, sim_args: Sequence[str], speed: float,
-                      tmp: Path) -> dict[str, Any]:
+                      tmp: Path, window_s: float | None = None) -> dict[str, Any]:
     """Start the engines (fresh simulators, or `engine`) and a gateway with the variant's
-    config, send the plan, and summarise the gateway's access log."""
+    config, send the plan, and summarise the gateway's access log (goodput per second of
+    `window_s`, default the span of the plan's arrivals)."""
     stack = Stack(tmp)
     try:
         names = [str(b.get("name")) for b in raw.get("backends", [])]
@@ -289,16 +291,19 @@ async def run_variant(raw: Mapping[str, Any], variant: Variant, plan: Sequence[l
             await demo.wait_ready(f"http://127.0.0.1:{port}/readyz", gw.poll)
         except RuntimeError as e:
             raise RuntimeError(f"{e}: {log_path.read_text(errors='replace')[-2000:]}") from None
+        by_tenant: dict[str | None, str] = {None: next(iter(keys.values()), "replay")}
+        by_tenant.update(keys)
         sent = await loadgen.send_open(f"http://127.0.0.1:{port}/v1/chat/completions", plan,
-                                       {None: next(iter(keys.values()), "replay"), **keys},
-                                       speed=speed)
+                                       by_tenant, speed=speed)
         stack.stop()  # the gateway's last lines are written before it exits
         ids = {s.request_id for s in sent if s.request_id}
         pairs = [parse_line(rec) for rec in _json_lines(log_path)
                  if rec.get("request_id") in ids]
         outcomes = [pair[1] for pair in pairs if pair is not None]
-        window = (max((p.t for p in plan), default=0.0) - min((p.t for p in plan), default=0.0))
-        summary = summarize(outcomes, window / speed)
+        if window_s is None:
+            ts = [p.t for p in plan]
+            window_s = (max(ts) - min(ts) if ts else 0.0) / speed
+        summary = summarize(outcomes, window_s)
         summary["unanswered"] = sum(s.status == 0 for s in sent)
         summary["late_p99_ms"] = (loadgen.pct([s.lag_s for s in sent], 0.99) or 0.0) * 1e3
         return summary
