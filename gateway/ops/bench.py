@@ -117,12 +117,8 @@ def render(points: Sequence[tuple[float, Mapping[str, Any]]], classes: Sequence[
 
 def plot(points: Sequence[tuple[float, Mapping[str, Any]]], classes: Sequence[str],
          capacity: float, path: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = replay.pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for c in classes:

@@ -357,14 +357,22 @@ def render(results: Mapping[str, Mapping[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-def plot(results: Mapping[str, Mapping[str, Any]], path: str) -> bool:
-    """Goodput per run as bars (needs matplotlib; False without it)."""
+def pyplot() -> Any:
+    """matplotlib.pyplot drawing to files, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot(results: Mapping[str, Mapping[str, Any]], path: str) -> bool:
+    """Goodput per run as bars (needs matplotlib; False without it)."""
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(6, 3.5))
     names = list(results)
