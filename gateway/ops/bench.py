@@ -84,7 +84,7 @@ def recommend(points: Sequence[tuple[float, Mapping[str, Any]]], classes: Sequen
             low = min(by_load)
             p99 = by_load[low]["classes"].get(c, {}).get("ttft_p99_ms")
             lines.append(f"- {c} (TTFT {ttft:g} ms, TPOT {tpot:g} ms): not feasible at any "
-                         f"load tested (at {low:g}x, P99 TTFT {replay._fmt(p99)} ms): relax the "
+                         f"load tested (at {low:g}x, P99 TTFT {replay.fmt(p99)} ms): relax the "
                          "targets or add capacity")
         else:
             lines.append(f"- {c} (TTFT {ttft:g} ms, TPOT {tpot:g} ms): feasible up to "
@@ -110,7 +110,7 @@ def render(points: Sequence[tuple[float, Mapping[str, Any]]], classes: Sequence[
                                         "ttft_p99_ms": None, "refused": 0})
             share = part["met"] / part["requests"] if part["requests"] else 0.0
             rows.append(f"| {load:g}x | {load * capacity:.1f} | {c} | {part['goodput_rps']:.2f} "
-                        f"| {share:.0%} | {replay._fmt(part['ttft_p99_ms'])} | "
+                        f"| {share:.0%} | {replay.fmt(part['ttft_p99_ms'])} | "
                         f"{part['refused']} |")
     return "\n".join(rows)
 

@@ -334,7 +334,7 @@ def _json_lines(path: Path) -> Iterable[dict[str, Any]]:
 
 # -- output ------------------------------------------------------------------------------------
 
-def _fmt(v: float | None, spec: str = ".0f") -> str:
+def fmt(v: float | None, spec: str = ".0f") -> str:
     return "-" if v is None else format(v, spec)
 
 
@@ -350,9 +350,9 @@ def render(results: Mapping[str, Mapping[str, Any]]) -> str:
     row("goodput req/s", lambda r: f"{r['goodput_rps']:.2f} ({r['met']}/{r['requests']})")
     for c in classes:
         row(f"{c}: goodput req/s",
-            lambda r, c=c: _fmt(r["classes"].get(c, {}).get("goodput_rps"), ".2f"))
+            lambda r, c=c: fmt(r["classes"].get(c, {}).get("goodput_rps"), ".2f"))
         row(f"{c}: TTFT p99 ms",
-            lambda r, c=c: _fmt(r["classes"].get(c, {}).get("ttft_p99_ms")))
+            lambda r, c=c: fmt(r["classes"].get(c, {}).get("ttft_p99_ms")))
     row("refused (429)", lambda r: str(r["refused"]))
     return "\n".join(rows)
 
