@@ -173,6 +173,94 @@ def run(path: str) -> int:
         log.removeHandler(handler)
     data = as_written(plain(cfg))
     sys.stdout.write(to_toml(data))
+    for line in infeasible_targets(cfg, probe_backends(cfg)):
+        print(f"slogate: warning: {line}", file=sys.stderr)
     print(f"slogate: {path}: config OK ({len(cfg.backends)} backend"
           f"{'s' if len(cfg.backends) != 1 else ''})", file=sys.stderr)
     return 0
+
+
+# -- targets no engine can meet ----------------------------------------------------------------
+
+SIM_CONFIG_PATH = "/sim/config"  # the built-in simulator says its physics here
+PROBE_TIMEOUT_S = 1.0
+
+
+def sim_floor_ms(knobs: Mapping[str, Any], prompt_tokens: int = 1) -> float:
+    """The simulator's unloaded TTFT for a prompt of `prompt_tokens` (its forced stall, the
+    prefill, the step that yields the first token) plus one more decode step: no target below
+    it can be met even by a request alone on the engine."""
+    step = float(knobs["decode_base_ms"]) + float(knobs["decode_per_seq_ms"])
+    prefill = prompt_tokens / float(knobs["prefill_tokens_per_s"]) * 1e3
+    return float(knobs.get("stall_ms", 0.0)) + prefill + 2 * step
+
+
+def engine_physics(base_url: str) -> dict[str, Any] | None:
+    """The simulator's knobs from GET <origin>/sim/config, or None when the backend is not
+    the simulator (or does not answer within PROBE_TIMEOUT_S)."""
+    import urllib.request
+
+    parts = urlsplit(base_url)
+    try:
+        with urllib.request.urlopen(f"{parts.scheme}://{parts.netloc}{SIM_CONFIG_PATH}",
+                                    timeout=PROBE_TIMEOUT_S) as r:
+            knobs = json.loads(r.read())
+    except (OSError, ValueError):
+        return None
+    need = ("decode_base_ms", "decode_per_seq_ms", "prefill_tokens_per_s")
+    return knobs if isinstance(knobs, dict) and all(k in knobs for k in need) else None
+
+
+def infeasible_targets(cfg: Any, physics: Mapping[str, Mapping[str, Any] | None]) -> list[str]:
+    """Warnings for SLO classes whose TTFT target is below what an unloaded engine takes
+    (`physics`: backend name -> the simulator's knobs, None for an engine whose physics the
+    gateway cannot know), and one note naming the backends it could not judge."""
+    out = []
+    for name, knobs in physics.items():
+        if knobs is None:
+            continue
+        floor = sim_floor_ms(knobs)
+        for cls in cfg.slo.classes.values():
+            if cls.ttft_ms < floor:
+                out.append(f"SLO class {cls.name!r}: ttft_ms = {cls.ttft_ms:g} is below what "
+                           f"backend {name!r} takes unloaded for a 1-token prompt plus one "
+                           f"decode step ({floor:.1f} ms; {sim_floor_ms(knobs, 1000):.1f} ms "
+                           "at 1000 prompt tokens): no request of this class can meet it")
+    unknown = sorted(name for name, knobs in physics.items() if knobs is None)
+    if out and unknown:
+        out.append(f"backends {', '.join(unknown)}: their unloaded TTFT is not known to the "
+                   "gateway (not the simulator); measure it with `slogate bench --engine URL`")
+    return out
+
+
+def probe_backends(cfg: Any) -> dict[str, dict[str, Any] | None]:
+    """Each backend's physics, asked concurrently (each at most PROBE_TIMEOUT_S). Only an
+    OpenAI-format engine may be the simulator; a provider of another type is not asked."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    backends = cfg.backends
+    if not backends:
+        return {}
+    maybe_sim = [b.type == "openai" and b.provider in ("", "openai", "vllm") for b in backends]
+    with ThreadPoolExecutor(max_workers=min(8, len(backends))) as pool:
+        found = pool.map(lambda bm: engine_physics(bm[0].base_url) if bm[1] else None,
+                         zip(backends, maybe_sim, strict=True))
+        return {b.name: k for b, k in zip(backends, found, strict=True)}
+
+
+def warn_infeasible(path: str) -> None:
+    """At `serve`'s start: log each infeasible target once as a WARNING (in the background:
+    an engine that is slow to answer does not delay the gateway)."""
+    import threading
+
+    def work() -> None:
+        from gateway import config as config_mod
+
+        try:
+            cfg = config_mod.load(path)
+        except config_mod.ConfigError:
+            return  # serve reports it
+        for line in infeasible_targets(cfg, probe_backends(cfg)):
+            logging.getLogger("slogate.config").warning("%s", line)
+
+    threading.Thread(target=work, name="slogate-feasibility", daemon=True).start()

@@ -80,6 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sim-port", type=int, default=8000, help="simulator port")
     demo.add_argument("--concurrency", type=int, default=8, help="concurrent client streams")
 
+    from gateway.ops import bench, replay
+
+    replay.add_arguments(sub.add_parser(
+        "replay", help="replay a recorded trace against the current and alternative configs",
+        description=replay.__doc__, formatter_class=raw))
+    sub.choices["replay"].add_argument("trace", help="the JSON access log or flight-recorder "
+                                       "JSONL to replay")
+    bench.add_arguments(sub.add_parser(
+        "bench", help="sweep offered load through the gateway and recommend admission settings",
+        description=bench.__doc__, formatter_class=raw))
+
     for command in entry_points(group="slogate.commands"):
         command.load()(sub)  # each adds its subparser with a `run(args) -> int` default
     return parser
@@ -125,10 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     _install_uvloop()
     if getattr(args, "run", None) is not None:
         return _plugin(args)
+    if args.command in ("replay", "bench"):
+        from gateway.ops import bench, replay
+        return int((replay if args.command == "replay" else bench).run(args))
     if args.command == "demo":
         from gateway.ops import demo
         return demo.run(args.duration, args.port, args.sim_port, args.concurrency)
-    from gateway.ops import server, workers
+    from gateway.ops import check, server, workers
+    if args.worker is None:  # the supervisor's workers would say it again
+        check.warn_infeasible(args.config)
     try:
         n = workers.parse_workers(args.workers) if args.workers is not None else None
     except ValueError as e:

@@ -14,6 +14,7 @@ import orjson
 from gateway.errors import OK
 from gateway.telemetry import durations
 from gateway.telemetry.attribution import TTFTSplit, cache_bucket, prompt_bucket
+from gateway.timeline import now_ns
 
 if TYPE_CHECKING:
     from gateway.exchange import Exchange
@@ -92,8 +93,11 @@ def log_ms(ex: Exchange) -> dict[str, float]:
 
 
 def record(ex: Exchange, split: TTFTSplit | None) -> dict[str, Any]:
-    """The access log's line for a finished request."""
+    """The access log's line for a finished request. `t` is its arrival as unix time (what
+    `slogate replay` schedules by); `body_bytes` and `max_tokens` let a replay rebuild a
+    request that never reached an engine (no usage counted)."""
     rec: dict[str, Any] = {
+        "t": round(time.time() - (now_ns() - ex.t_received) / 1e9, 6),
         "request_id": ex.request_id,
         "route": ex.route,
         "model": ex.model,
@@ -137,6 +141,14 @@ def record(ex: Exchange, split: TTFTSplit | None) -> dict[str, Any]:
             rec["ttft_miss_stage"] = split.largest
     rec["prompt_tokens"] = ex.prompt_tokens
     rec["completion_tokens"] = ex.completion_tokens
+    rec["body_bytes"] = len(ex.body)
+    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        limit = ex.parsed.get(name)
+        if isinstance(limit, int) and not isinstance(limit, bool):
+            rec["max_tokens"] = limit
+            break
+    if ex.admission is not None:
+        rec["admission"] = {"decision": ex.admission[0], "reason": ex.admission[1]}
     rec["usage_source"] = ex.usage_source
     if ex.cached_tokens is not None:
         rec["cached_tokens"] = ex.cached_tokens
