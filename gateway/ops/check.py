@@ -235,13 +235,15 @@ def infeasible_targets(cfg: Any, physics: Mapping[str, Mapping[str, Any] | None]
 
 def probe_backends(cfg: Any) -> dict[str, dict[str, Any] | None]:
     """Each backend's physics, asked concurrently (each at most PROBE_TIMEOUT_S). Only an
-    OpenAI-format engine may be the simulator; a provider of another type is not asked."""
+    OpenAI-format engine over plain http may be the simulator: a provider of another type, or
+    a hosted API (https), is not asked."""
     from concurrent.futures import ThreadPoolExecutor
 
     backends = cfg.backends
     if not backends:
         return {}
-    maybe_sim = [b.type == "openai" and b.provider in ("", "openai", "vllm") for b in backends]
+    maybe_sim = [b.type == "openai" and b.provider in ("", "openai", "vllm")
+                 and b.base_url.startswith("http://") for b in backends]
     with ThreadPoolExecutor(max_workers=min(8, len(backends))) as pool:
         found = pool.map(lambda bm: engine_physics(bm[0].base_url) if bm[1] else None,
                          zip(backends, maybe_sim, strict=True))

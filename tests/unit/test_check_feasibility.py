@@ -31,6 +31,10 @@ base_url = "http://127.0.0.1:1/v1"
 name = "hosted"
 type = "groq"
 base_url = "http://127.0.0.1:2/openai/v1"
+[[backends]]
+name = "paid"
+base_url = "https://api.openai.invalid/v1"
+models = ["gpt-x"]
 """
 
 
@@ -61,11 +65,12 @@ def test_nothing_known_nothing_warned(tmp_path: Path) -> None:
                                                      "hosted": None}) == []
 
 
-def test_only_a_possible_simulator_is_asked(tmp_path: Path,
+def test_only_a_possible_simulator_is_asked_never_a_hosted_api(tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     asked: list[str] = []
     monkeypatch.setattr(check, "engine_physics", lambda url: asked.append(url) or KNOBS)
-    assert check.probe_backends(_cfg(tmp_path)) == {"sim": KNOBS, "hosted": None}
+    assert check.probe_backends(_cfg(tmp_path)) == {"sim": KNOBS, "hosted": None,
+                                                     "paid": None}
     assert asked == ["http://127.0.0.1:1/v1"]
 
 
