@@ -97,8 +97,8 @@ class Exchange:
         "provider_prefill_inferred", "slo", "verdict", "model_label",
         "interruption", "trace", "server_address", "server_port", "tenant", "tenant_label",
         "policy", "served_model",
-        "admission", "t_queued", "t_admitted", "t_last_event", "t_dispatched", "attempts",
-        "on_first_token",
+        "admission", "predicted_wait_s", "t_queued", "t_admitted", "t_last_event",
+        "t_dispatched", "attempts", "on_first_token",
         # the phases' working state
         "api", "operation", "key", "body", "parsed", "attempt", "ticket", "response",
         "retry_budget_at", "last_failure", "too_long_for", "streamed_text", "continued_from",
@@ -156,6 +156,7 @@ class Exchange:
         self.served_model: str | None = None  # the client-visible model an attempt served
         self.admission: tuple[str, str] | None = None  # (decision, reason)
         self.t_queued = 0  # entered the admission queue (0: never queued)
+        self.predicted_wait_s: float | None = None  # admission's predicted queue wait
         self.t_admitted = 0  # left the admission queue (0: never queued)
         self.t_last_event = 0  # last upstream SSE event (idle deadline)
         self.t_dispatched = 0  # first upstream attempt sent (end of the gateway queue)
