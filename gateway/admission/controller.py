@@ -68,6 +68,9 @@ ADMITTED, QUEUED, REJECTED = "admitted", "queued", "rejected"
 TIE_BAND = 0.05  # predictions within 5 % of the best are equally good: pick one at random
 PROBE_INTERVAL_S = 1.0
 MIN_HOLDS = 5  # requests ended on a replica before its slot releases are predicted
+HELD_SLOTS = 2  # at most this many free slots of a model are held for a tight class
+HOLD_SHARE = 0.75  # ... for at most this share of its TTFT target
+ACTIVE_S = 2.0  # a class that had an arrival this recently has demand
 URGENT = 0.25  # a waiter in the last quarter of its TTFT budget may pass more important ones
 
 
@@ -349,6 +352,9 @@ class AdmissionController:
         self.queued_tokens = 0.0
         self.calibration = TokenCalibration()
         self.mean_output = float(DEFAULT_OUTPUT_TOKENS)  # EWMA of completion tokens
+        # per SLO class: its last arrival (controller clock, s), weight and TTFT target (s)
+        self._arrivals: dict[str, tuple[float, float, float]] = {}
+        self._held_since: dict[str, float] = {}  # per model: since when a slot is held back
         self.quotas = TenantQuotas(shared, cfg.redis_share, clock=lambda: self.clock() / 1e9)
         self._seq = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
@@ -456,7 +462,9 @@ class AdmissionController:
                      out_tokens: float = DEFAULT_OUTPUT_TOKENS) -> Ticket:
         slo = ctx.target
         waited_s = (self.clock() - ctx.t_received) / 1e9
-        if len(self.fair):
+        self._arrivals[slo.name] = (self.clock() / 1e9, policy.weight * slo.cls.weight,
+                                    slo.ttft_ms / 1e3)
+        if len(self.fair) or self._held_back(slo.name, slo.ttft_ms / 1e3, model, loads):
             # Others are waiting: capacity that frees goes to the flow whose turn it is.
             ticket = None
             why_not = ("priority_wait" if self._higher_priority_waiting(slo.cls.priority)
@@ -598,6 +606,40 @@ class AdmissionController:
         left_s = (waiter.deadline - self.clock()) / 1e9
         return bool(left_s < URGENT * slo.ttft_ms / 1e3)
 
+    def _held_back(self, cls: str, ttft_s: float, model: str,
+                   loads: list[ReplicaLoad]) -> bool:
+        """Should a request of `cls` leave the model's last free slots to a class with a
+        tighter TTFT target that is below its fair share of recent dispatches and has demand?
+        A tight class cannot wait for a slot to free, so without this a looser one that can
+        takes every slot and the tight one is refused for a TTFT the engine could meet. The
+        slots wait at most HOLD_SHARE of the tight class's TTFT target, then they are
+        anyone's."""
+        free = sum(max(0, load.limit() - load.in_flight) for load in loads
+                   if load.replica.available())
+        if not 0 < free <= HELD_SLOTS:
+            self._held_since.pop(model, None)
+            return False
+        if self._under_share(cls):
+            return False
+        hold = max((t * HOLD_SHARE for c, (_, _, t) in self._active().items()
+                    if c != cls and t < ttft_s and self._under_share(c)), default=0.0)
+        if hold <= 0.0:
+            return False
+        now = self.clock() / 1e9
+        since = self._held_since.setdefault(model, now)
+        return now - since < hold
+
+    def _active(self) -> dict[str, tuple[float, float, float]]:
+        now = self.clock() / 1e9
+        return {c: v for c, v in self._arrivals.items() if now - v[0] < ACTIVE_S}
+
+    def _under_share(self, cls: str) -> bool:
+        """Has `cls` demand and fewer of the recent dispatches than its weight's part?"""
+        active = self._active()
+        if cls not in active:
+            return False
+        return self.fair.share(cls) < active[cls][1] / sum(w for _, w, _ in active.values())
+
     def _higher_priority_waiting(self, priority: int) -> bool:
         return self.fair.waiting_above(priority)
 
@@ -689,7 +731,12 @@ class AdmissionController:
         """An arrival's predicted wait for a slot (s) where the fair order would place it, and
         the prompt tokens of the waiters ahead that start beside it."""
         plan = self._plan(loads, arriving.tenant)
+        cls, ttft_ms = arriving.ctx.target.name, arriving.ctx.target.ttft_ms
+        # Looser waiters ahead leave the last free slots to a tight class under its share.
+        reserved = self._under_share(cls)
         for w in self.fair.order(arriving, weight, min_share):
+            if reserved and w is not arriving and w.ctx.target.ttft_ms > ttft_ms:
+                continue
             if w is arriving:
                 start = plan.take(w.out_tokens, w.tokens)
                 ahead = plan.prefilling_with(start, self._overlap_s(loads, w.tokens))
@@ -797,7 +844,13 @@ class AdmissionController:
                 plan = plans.get(model)
                 if plan is None:
                     plan = plans[model] = self._plan(loads)
-                if model in blocked and not self._urgent(waiter):
+                urgent = self._urgent(waiter)
+                if model not in blocked and not urgent and self._held_back(
+                        ctx.target.name, ctx.target.ttft_ms / 1e3, model, loads):
+                    # it leaves the slot to a tighter class, and holds nobody back; its own
+                    # turn is judged on a later pass
+                    continue
+                if model in blocked and not urgent:
                     ticket, why = None, "fair_wait"
                 else:
                     n = len(deferred)
