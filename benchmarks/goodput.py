@@ -1318,11 +1318,12 @@ def fairness_main(args: argparse.Namespace) -> int:
             port = free_port(host)
             quota = (max(1, round(sc["quota_a_x_capacity"] * capacity * 60))
                      if name == "quota" else None)
-            cfg = tmp / f"gateway-{name}-{k}.toml"
+            safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
+            cfg = tmp / f"gateway-{safe}-{k}.toml"
             cfg.write_text(fairness_toml(host, port, sim_port, sc["classes"],
                                          sc.get("min_share", {}), quota, sc.get("weights"),
                                          bool(sc.get("tenants"))))
-            tag = f"gw-{name}-{k}"
+            tag = f"gw-{safe}-{k}"
             procs.WATCHED = (*BenchProcs.WATCHED, tag)
             p = procs.start(tag, shlex.split(args.gateway_cmd.format(
                 **subst, config=str(cfg), port=port)), gw_cpus)
@@ -1341,7 +1342,7 @@ def fairness_main(args: argparse.Namespace) -> int:
                     "sim_stats_url": f"{sim_base}/sim/stats"}
             label = f"{name}{' (' + variant + ')' if variant else ''}"
             print(f"{label}: {load:g}x capacity …", end=" ", flush=True)
-            r = run_client(procs, tmp, f"fair-{name}-{k}", spec, client_cpus)
+            r = run_client(procs, tmp, f"fair-{safe}-{k}", spec, client_cpus)
             summary = summarize(r, warm, window, slo)
             summary["met_by_window"] = met_by_window(r, warm, window, slo)
             with contextlib.suppress(Exception):
