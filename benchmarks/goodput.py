@@ -890,7 +890,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-fraction", type=float, default=0.25,
                     help="share of rejected requests retried at Retry-After (default %(default)s)")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--max-batch", type=int, help="the simulator's (default 16; --matrix: 8)")
     ap.add_argument("--decode-base-ms", type=float, default=10.0)
     ap.add_argument("--decode-per-seq-ms", type=float, default=1.0)
     ap.add_argument("--prefill-tokens-per-s", type=float, default=20000.0)
@@ -914,13 +914,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fairness", action="store_true",
                     help="the fairness runs instead (issue 11): equal classes, priority with "
                          "min_share, a tenant at 10x its quota; admission with its defaults")
+    ap.add_argument("--matrix", action="store_true",
+                    help="the fairness matrix instead: two and three classes, TTFT targets 2x-20x "
+                         "the unloaded TTFT, loads 1.2x-3x, equal and unequal weights, a tenant "
+                         "flooding (sim batch 8 unless --max-batch; BENCH_FAIR_SCENARIOS=a,b "
+                         "picks cells)")
     ap.add_argument("--client-spec", help=argparse.SUPPRESS)
     ap.add_argument("--client-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.client_spec:
         return client_main(args.client_spec, args.client_out)
     harness.NICE = args.nice
-    if args.fairness:
+    if args.max_batch is None:
+        args.max_batch = 8 if args.matrix else 16
+    if args.fairness or args.matrix:
         return fairness_main(args)
 
     q = args.quick
@@ -1143,8 +1150,77 @@ FAIR_SCENARIOS: dict[str, dict[str, Any]] = {
 }
 
 
+# The fairness matrix (--matrix): short runs over the SLO mixes admission must be fair for.
+# The engine is the simulator with max batch 8 (TTFT ~70 ms unloaded for the benchmark's
+# prompts, TPOT ~17 ms); TTFT targets are multiples of UNLOADED_TTFT_MS. "tenants": one key
+# (tenant) per class, so the two classes are two tenants of the same targets.
+UNLOADED_TTFT_MS = 70.0
+ISSUE_CLASSES: dict[str, SloClass] = {"interactive": (280.0, 42.0, 0, 0.5),
+                                      "batch": (3000.0, 85.0, 0, 0.5)}
+MATRIX_CELLS: dict[str, dict[str, Any]] = {
+    "2cls-4x-2.0": {"classes": ISSUE_CLASSES, "load": 2.0},
+    "2cls-2x-2.0": {"classes": {"interactive": (140.0, 42.0, 0, 0.5),
+                                "batch": (3000.0, 85.0, 0, 0.5)}, "load": 2.0},
+    "2cls-20x-2.0": {"classes": {"interactive": (1400.0, 42.0, 0, 0.5),
+                                 "batch": (3000.0, 85.0, 0, 0.5)}, "load": 2.0},
+    "2cls-4x-1.2": {"classes": ISSUE_CLASSES, "load": 1.2},
+    "2cls-4x-3.0": {"classes": ISSUE_CLASSES, "load": 3.0},
+    "2cls-4x-w3:1": {"classes": ISSUE_CLASSES, "load": 2.0,
+                     "weights": {"interactive": 3.0, "batch": 1.0}},
+    "2cls-4x-w1:3": {"classes": ISSUE_CLASSES, "load": 2.0,
+                     "weights": {"interactive": 1.0, "batch": 3.0}},
+    "3cls-2/10/40x-2.0": {"classes": {"fast": (140.0, 42.0, 0, 1 / 3),
+                                      "mid": (700.0, 60.0, 0, 1 / 3),
+                                      "slow": (2800.0, 85.0, 0, 1 / 3)}, "load": 2.0},
+    "3cls-w2:1:1-3.0": {"classes": {"fast": (280.0, 42.0, 0, 1 / 3),
+                                    "mid": (700.0, 60.0, 0, 1 / 3),
+                                    "slow": (2800.0, 85.0, 0, 1 / 3)}, "load": 3.0,
+                        "weights": {"fast": 2.0, "mid": 1.0, "slow": 1.0}},
+    "flood-a2.5/b0.5": {"classes": {"a": (280.0, 42.0, 0, 2.5 / 3.0),
+                                    "b": (280.0, 42.0, 0, 0.5 / 3.0)}, "load": 3.0,
+                        "tenants": True},
+}
+STARVE_WINDOW_S = 10.0
+
+
+def fair_shares(demand: Mapping[str, float], weight: Mapping[str, float],
+                capacity: float) -> dict[str, float]:
+    """Weighted max-min fair shares of `capacity` (water-filling): a flow asking less than its
+    weighted part gets what it asks, the rest is split by weight among the others."""
+    share = {c: 0.0 for c in demand}
+    active = {c for c, d in demand.items() if d > 0}
+    left = capacity
+    while active and left > 1e-9:
+        total_w = sum(weight[c] for c in active)
+        sated = {c for c in active if demand[c] - share[c] <= left * weight[c] / total_w}
+        if not sated:
+            for c in active:
+                share[c] += left * weight[c] / total_w
+            break
+        for c in sated:
+            left -= demand[c] - share[c]
+            share[c] = demand[c]
+        active -= sated
+    return share
+
+
+def met_by_window(run: dict[str, Any], warmup: float, window: float, slo: SloTargets,
+                  step: float = STARVE_WINDOW_S) -> dict[str, list[int]]:
+    """Per class: requests that finished meeting their SLO in each `step` s of the window."""
+    n = max(1, int(window // step))
+    out = {c: [0] * n for c in slo}
+    for r in run["records"]:
+        t = r.get("t_end")
+        if r["probe_of"] is not None or t is None or not warmup <= t < warmup + n * step:
+            continue
+        if judge(r, slo)["met"]:
+            out[r["cls"]][int((t - warmup) // step)] += 1
+    return out
+
+
 def fairness_toml(host: str, port: int, sim_port: int, classes: dict[str, SloClass],
-                  min_share: dict[str, float], quota_a_rpm: int | None) -> str:
+                  min_share: dict[str, float], quota_a_rpm: int | None,
+                  weights: Mapping[str, float] | None = None, tenants: bool = False) -> str:
     out = (f'[server]\nhost = "{host}"\nport = {port}\naccess_log = false\n\n'
            '[admission]\nenabled = true\n\n')
     out += f'[slo]\ndefault = "{next(iter(classes))}"\n'
@@ -1153,21 +1229,23 @@ def fairness_toml(host: str, port: int, sim_port: int, classes: dict[str, SloCla
                 f"priority = {prio}\n")
         if name in min_share:
             out += f"min_share = {min_share[name]:g}\n"
+        if weights and name in weights:
+            out += f"weight = {weights[name]:g}\n"
     names = ", ".join(f'"{n}"' for n in classes)
     out += '\n[auth]\nmode = "keys"\n'
     import hashlib
     admin = hashlib.sha256(b"bench-admin").hexdigest()
     out += f'\n[[auth.admin_keys]]\nname = "bench"\nsha256 = "{admin}"\n'
-    if quota_a_rpm is None:
+    if quota_a_rpm is None and not tenants:
         digest = hashlib.sha256(b"bench").hexdigest()
         out += (f'\n[[auth.keys]]\ntenant = "bench"\nsha256 = "{digest}"\n'
                 f"classes = [{names}]\n")
     else:
-        for name in ("a", "b"):
+        for name in classes:
             digest = hashlib.sha256(f"key-{name}".encode()).hexdigest()
             out += (f'\n[[auth.keys]]\ntenant = "tenant-{name}"\nsha256 = "{digest}"\n'
                     f'classes = ["{name}"]\n')
-            if name == "a":
+            if name == "a" and quota_a_rpm is not None:
                 out += f"requests_per_minute = {quota_a_rpm}\n"
     out += (f'\n[[backends]]\nname = "sim"\ntype = "openai"\n'
             f'base_url = "http://{host}:{sim_port}/v1"\nmodels = ["*"]\n'
@@ -1176,10 +1254,14 @@ def fairness_toml(host: str, port: int, sim_port: int, classes: dict[str, SloCla
 
 
 def fairness_main(args: argparse.Namespace) -> int:
-    """Capacity (closed loop straight to the sim), then each scenario against a fresh gateway
-    with admission's default config. Prints a markdown table; writes JSON."""
-    window = args.window or (8.0 if args.quick else 15.0)
-    warmup = args.warmup if args.warmup is not None else (3.0 if args.quick else 5.0)
+    """Capacity (closed loop straight to the sim), then each scenario (or, with --matrix, each
+    cell of the matrix) against a fresh gateway with admission's default config. Prints a
+    markdown table; writes JSON."""
+    matrix = bool(getattr(args, "matrix", False))
+    scenarios = MATRIX_CELLS if matrix else FAIR_SCENARIOS
+    window = args.window or (8.0 if args.quick else 20.0 if matrix else 15.0)
+    warmup = args.warmup if args.warmup is not None else (3.0 if args.quick else
+                                                          4.0 if matrix else 5.0)
     cap_window = args.capacity_window or (4.0 if args.quick else 10.0)
     allowed = sorted(os.sched_getaffinity(0))
     two = len(allowed) >= 2
@@ -1199,7 +1281,8 @@ def fairness_main(args: argparse.Namespace) -> int:
     sim_argv = shlex.split(args.sim_cmd.format(**subst, port=sim_port))
     sim_base = f"http://{host}:{sim_port}"
     results: dict[str, Any] = {"meta": {
-        "benchmark": "fairness", "git": git_rev(), "window_s": window, "warmup_s": warmup,
+        "benchmark": "fairness-matrix" if matrix else "fairness", "git": git_rev(),
+        "window_s": window, "warmup_s": warmup,
         "sim": sim_knobs, "seed": args.seed,
         "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "host": {"cpus": os.cpu_count(), "cpu_model": cpu_model(),
@@ -1223,28 +1306,31 @@ def fairness_main(args: argparse.Namespace) -> int:
         results["capacity_rps"] = capacity
         print(f"capacity {capacity:.2f} req/s (closed loop, batch {args.max_batch})", flush=True)
         runs: list[tuple[str, str, dict[str, SloClass], float]] = []
-        only = set(os.environ.get("BENCH_FAIR_SCENARIOS", ",".join(FAIR_SCENARIOS)).split(","))
-        for name, sc in FAIR_SCENARIOS.items():
+        only = set(os.environ.get("BENCH_FAIR_SCENARIOS", ",".join(scenarios)).split(","))
+        for name, sc in scenarios.items():
             if name not in only:
                 continue
             if name == "quota":
                 runs.append((name, "b alone", sc["alone"], sc["alone_load"]))
             runs.append((name, "", sc["classes"], sc["load"]))
         for k, (name, variant, classes, load) in enumerate(runs):
-            sc = FAIR_SCENARIOS[name]
+            sc = scenarios[name]
             port = free_port(host)
             quota = (max(1, round(sc["quota_a_x_capacity"] * capacity * 60))
                      if name == "quota" else None)
-            cfg = tmp / f"gateway-{name}-{k}.toml"
+            safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
+            cfg = tmp / f"gateway-{safe}-{k}.toml"
             cfg.write_text(fairness_toml(host, port, sim_port, sc["classes"],
-                                         sc.get("min_share", {}), quota))
-            tag = f"gw-{name}-{k}"
+                                         sc.get("min_share", {}), quota, sc.get("weights"),
+                                         bool(sc.get("tenants"))))
+            tag = f"gw-{safe}-{k}"
             procs.WATCHED = (*BenchProcs.WATCHED, tag)
             p = procs.start(tag, shlex.split(args.gateway_cmd.format(
                 **subst, config=str(cfg), port=port)), gw_cpus)
             url = f"http://{host}:{port}"
             wait_http(procs, tag, f"{url}/healthz")
-            keys = {"a": "key-a", "b": "key-b"} if name == "quota" else {}
+            keys = ({c: f"key-{c}" for c in classes} if name == "quota" or sc.get("tenants")
+                    else {})
             slo = {n: (v[0], v[1]) for n, v in classes.items()}
             # A's bucket holds a minute of its quota (OpenAI's and Anthropic's semantics: a
             # full minute may come as a burst): the warm-up spends that burst first.
@@ -1256,8 +1342,9 @@ def fairness_main(args: argparse.Namespace) -> int:
                     "sim_stats_url": f"{sim_base}/sim/stats"}
             label = f"{name}{' (' + variant + ')' if variant else ''}"
             print(f"{label}: {load:g}x capacity …", end=" ", flush=True)
-            r = run_client(procs, tmp, f"fair-{name}-{k}", spec, client_cpus)
+            r = run_client(procs, tmp, f"fair-{safe}-{k}", spec, client_cpus)
             summary = summarize(r, warm, window, slo)
+            summary["met_by_window"] = met_by_window(r, warm, window, slo)
             with contextlib.suppress(Exception):
                 req = urllib.request.Request(f"{url}/admin/admission",
                                              headers={"Authorization": "Bearer bench-admin"})
@@ -1266,7 +1353,8 @@ def fairness_main(args: argparse.Namespace) -> int:
             os.killpg(p.pid, signal.SIGTERM)
             p.wait(timeout=40)
             wait_quiet(f"{sim_base}/sim/stats", None)
-            results["runs"][label] = {"load": load, "summary": summary, "quota_a_rpm": quota}
+            results["runs"][label] = {"load": load, "summary": summary, "quota_a_rpm": quota,
+                                      "classes": classes, "weights": sc.get("weights", {})}
             print(", ".join(f"{c} goodput {summary['classes'][c]['goodput_rps']:.2f} req/s"
                             for c in classes), flush=True)
         ok = True
@@ -1279,13 +1367,14 @@ def fairness_main(args: argparse.Namespace) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
         elif not ok:
             print(f"process logs kept in {tmp}", file=sys.stderr)
-    table = render_fairness(results)
+    table = render_matrix(results) if matrix else render_fairness(results)
     print()
     print(table)
-    out = Path(args.out.replace("goodput.json", "fairness.json"))
+    stem = "fairness-matrix" if matrix else "fairness"
+    out = Path(args.out.replace("goodput.json", f"{stem}.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
-    md = Path(args.markdown.replace("goodput.md", "fairness.md"))
+    md = Path(args.markdown.replace("goodput.md", f"{stem}.md"))
     md.write_text(table + "\n")
     print(f"\nresults: {out}, {md}")
     return 0
@@ -1343,6 +1432,53 @@ def render_fairness(results: dict[str, Any]) -> str:
     head = (f"Fairness (admission defaults: max_concurrency 256, adaptive limit), capacity "
             f"{cap:.2f} req/s (sim batch {m['sim']['max_batch']}), warm-up {m['warmup_s']:g} s "
             f"+ window {m['window_s']:g} s, host load at start {m['host']['loadavg_start']}")
+    return head + "\n\n" + "\n".join(rows)
+
+
+def judge_cell(run: dict[str, Any], capacity: float) -> dict[str, Any]:
+    """A matrix cell's criteria: every class with demand gets >= 80 % of its weighted fair
+    share of capacity as goodput, the total >= 90 % of the peak (capacity, or the demand when
+    less), and no class has a STARVE_WINDOW_S window without goodput."""
+    classes: dict[str, Sequence[float]] = run["classes"]
+    weights = {c: float(run.get("weights", {}).get(c, 1.0)) for c in classes}
+    demand = {c: run["load"] * capacity * float(v[3]) for c, v in classes.items()}
+    fair = fair_shares(demand, weights, capacity)
+    s = run["summary"]
+    rows = {}
+    for c in classes:
+        got = s["classes"][c]["goodput_rps"]
+        windows = s["met_by_window"][c]
+        rows[c] = {"goodput_rps": got, "fair_rps": fair[c], "of_fair": got / fair[c],
+                   "fair_ok": got >= 0.8 * fair[c], "starved": min(windows) == 0,
+                   "rejected": s["classes"][c]["rejected"],
+                   "reject_reasons": s["classes"][c]["reject_reasons"],
+                   "ttft_p99_ms": s["classes"][c]["ttft_ms"]["p99"]}
+    peak = min(capacity, sum(demand.values()))
+    total = s["goodput_rps"]
+    ok = (all(r["fair_ok"] and not r["starved"] for r in rows.values())
+          and total >= 0.9 * peak)
+    return {"classes": rows, "total_rps": total, "of_peak": total / peak, "ok": ok}
+
+
+def render_matrix(results: dict[str, Any]) -> str:
+    cap = results["capacity_rps"]
+    rows = ["| cell | load | class: goodput / fair share (% of fair), rejected | total "
+            "(% of peak) | starved | met? |", "|---|---|---|---|---|---|"]
+    passed = 0
+    for label, run in results["runs"].items():
+        j = judge_cell(run, cap)
+        passed += j["ok"]
+        per = "; ".join(f"{c}: {r['goodput_rps']:.2f}/{r['fair_rps']:.2f} ({r['of_fair']:.0%}), "
+                        f"{r['rejected']}" for c, r in j["classes"].items())
+        starved = ", ".join(c for c, r in j["classes"].items() if r["starved"]) or "-"
+        rows.append(f"| {label} | {run['load']:g}x | {per} | {j['total_rps']:.2f} "
+                    f"({j['of_peak']:.0%}) | {starved} | {'yes' if j['ok'] else 'no'} |")
+    m = results["meta"]
+    head = (f"Fairness matrix: {passed}/{len(results['runs'])} cells meet the criteria (each "
+            f"class >= 80 % of its weighted fair share, total >= 90 % of peak, no "
+            f"{STARVE_WINDOW_S:g} s window without goodput). Capacity {cap:.2f} req/s (sim batch "
+            f"{m['sim']['max_batch']}), warm-up {m['warmup_s']:g} s + window {m['window_s']:g} s, "
+            f"git {m['git']}, host load at start {m['host']['loadavg_start']}")
     return head + "\n\n" + "\n".join(rows)
 
 

@@ -162,6 +162,7 @@ class Exchange:
         self.served_model: str | None = None  # the client-visible model an attempt served
         self.admission: tuple[str, str] | None = None  # (decision, reason)
         self.t_queued = 0  # entered the admission queue (0: never queued)
+        self.predicted_wait_s: float | None = None  # admission's predicted queue wait
         self.t_admitted = 0  # left the admission queue (0: never queued)
         self.t_last_event = 0  # last upstream SSE event (idle deadline)
         self.t_dispatched = 0  # first upstream attempt sent (end of the gateway queue)
@@ -170,7 +171,6 @@ class Exchange:
         # the replicas admission weighed (considered(); None: none), read by the decision log
         self.candidates: list[Candidate] | None = None
         self.estimated_tokens: float | None = None  # admission's estimate of prompt tokens
-        self.predicted_wait_s: float | None = None  # admission's predicted queue wait
         self.api: Api | None = None  # the client's API adapter (from the route table)
         self.operation = "chat"
         self.key: GatewayKey | None = None  # None in open mode

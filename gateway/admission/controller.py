@@ -49,6 +49,7 @@ from gateway.admission.quotas import (
     charged_tokens,
 )
 from gateway.admission.shed_log import ShedLog
+from gateway.admission.start_time import SlotPlan, Slots, minimal_ttft_s, remaining_s
 from gateway.config import OPEN_POLICY, AdmissionConfig, TenantPolicy
 from gateway.errors import (
     OK,
@@ -66,6 +67,10 @@ from gateway.upstream.routing import Replica, Router, no_healthy_backend
 ADMITTED, QUEUED, REJECTED = "admitted", "queued", "rejected"
 TIE_BAND = 0.05  # predictions within 5 % of the best are equally good: pick one at random
 PROBE_INTERVAL_S = 1.0
+MIN_HOLDS = 5  # requests ended on a replica before its slot releases are predicted
+HELD_SLOTS = 2  # at most this many free slots of a model are held for a tight class
+HOLD_SHARE = 0.75  # ... for at most this share of its TTFT target
+ACTIVE_S = 2.0  # a class that had an arrival this recently has demand
 URGENT = 0.25  # a waiter in the last quarter of its TTFT budget may pass more important ones
 
 
@@ -92,7 +97,7 @@ class ReplicaLoad:
 
     __slots__ = ("replica", "est", "prefill_tokens", "prefilling", "decoding", "tpot_targets",
                  "cap", "engine_waiting", "engine_running", "engine_kv_usage", "avg_tokens",
-                 "last_probe", "adaptive", "hold_s", "holds")
+                 "last_probe", "adaptive", "hold_s", "holds", "tickets")
 
     def __init__(self, replica: Replica, est: ReplicaEstimator, cap: int,
                  adaptive: AdaptiveLimit | None = None) -> None:
@@ -113,16 +118,11 @@ class ReplicaLoad:
         self.engine_kv_usage: float | None = None
         self.avg_tokens = 500.0  # EWMA of admitted prompt tokens (for engine-reported queues)
         self.last_probe = 0.0
+        self.tickets: set[Ticket] = set()  # this gateway's requests holding a slot here
 
     @property
     def in_flight(self) -> int:
         return self.prefilling + self.decoding
-
-    def service_rate(self) -> float | None:
-        """Requests per second this replica frees slots at (limit / mean hold), once known."""
-        if self.holds < 5 or self.hold_s <= 0:
-            return None
-        return self.limit() / self.hold_s
 
     def limit(self) -> int:
         """Requests this gateway may have here now: the adaptive limit, at most the cap."""
@@ -145,6 +145,23 @@ class ReplicaLoad:
         ttft = self.est.predict_ttft(self.work_ahead() + self.avg_tokens, self.decoding_now(),
                                      self.requests_ahead() + 1)
         return LoadView(round(ttft * 1e3, 1), self.engine_waiting, self.cap)
+
+    def slots(self, now_ns: int) -> Slots:
+        """Its slots for the start-time prediction: those free now, and when each busy one
+        frees (its stream's predicted remaining decode, at the TPOT of a full batch)."""
+        limit = self.limit()
+        free = max(0, limit - self.in_flight)
+        if self.holds < MIN_HOLDS:
+            # Nothing has ended here yet: how long a slot is held is a guess, and a guess
+            # must not refuse anyone. Until then every slot counts as freeing at once.
+            return Slots(free, [0.0] * min(limit, self.in_flight), 0.0, 0.0)
+        tpot = self.est.predict_tpot(max(1.0, float(limit)))
+        releases = sorted(remaining_s((now_ns - t.t_start) / 1e9, t.predicted_ttft_s,
+                                      t.out_tokens, tpot) for t in self.tickets)
+        # Above a lowered limit, the first streams to end free no slot.
+        releases = releases[max(0, len(releases) - limit):]
+        first = self.est.predict_ttft(self.avg_tokens, self.decoding_now(), 0.0)
+        return Slots(free, releases, first, tpot)
 
     def min_tpot_target_s(self) -> float:
         return min(self.tpot_targets) if self.tpot_targets else math.inf
@@ -173,11 +190,13 @@ class Ticket:
     __slots__ = ("ctrl", "load", "tokens", "body_bytes", "tpot_target_s", "predicted_ttft_s",
                  "work_at_dispatch", "decoding_at_dispatch", "ahead_at_dispatch", "state",
                  "decoding_sum", "shared_slot", "model", "tenant", "reservation",
-                 "in_flight_at_dispatch", "t_start")
+                 "in_flight_at_dispatch", "t_start", "out_tokens", "predicted_wait_s",
+                 "predicted_total_s")
 
     def __init__(self, ctrl: AdmissionController, load: ReplicaLoad, tokens: float,
                  body_bytes: int, tpot_target_s: float, predicted_ttft_s: float,
-                 shared_slot: bool, model: str = "", tenant: str = "other") -> None:
+                 shared_slot: bool, model: str = "", tenant: str = "other",
+                 out_tokens: float = DEFAULT_OUTPUT_TOKENS) -> None:
         self.ctrl = ctrl
         self.load = load
         self.model = model  # the model admission found a replica for (maybe a fallback)
@@ -194,7 +213,13 @@ class Ticket:
         self.in_flight_at_dispatch = load.in_flight + 1
         self.t_start = ctrl.clock()
         self.decoding_sum: float | None = None  # streams decoding when its first token came
+        self.out_tokens = out_tokens  # its output length as known or expected
+        # What admission predicted when it decided (queue wait, and TTFT from received):
+        # finish compares them with what happened.
+        self.predicted_wait_s: float | None = None
+        self.predicted_total_s: float | None = None
         self.state = "prefill"
+        load.tickets.add(self)
         load.prefill_tokens += tokens
         load.prefilling += 1
         load.avg_tokens += 0.05 * (tokens - load.avg_tokens)
@@ -238,11 +263,13 @@ class Ticket:
         self.t_start = self.ctrl.clock()
         self.in_flight_at_dispatch = self.load.in_flight + 1
         self.state = "prefill"
+        self.load.tickets.add(self)
         self.load.prefill_tokens += self.tokens
         self.load.prefilling += 1
 
     def _release(self) -> None:
         load = self.load
+        load.tickets.discard(self)
         if self.state == "prefill":
             load.prefill_tokens -= self.tokens
             load.prefilling -= 1
@@ -263,6 +290,7 @@ class Ticket:
         decoding_end = self.load.decoding_now()
         self._release()
         self.state = "done"
+        self.ctrl.score(self, ctx)
         self.ctrl.learn(self, ctx, decoding_end)
         self.ctrl.release_shared(self)
         if self.reservation is not None:
@@ -276,11 +304,12 @@ class Ticket:
 class Waiter:
     __slots__ = ("flow", "deadline", "seq", "priority", "model", "tenant", "policy", "ctx",
                  "family", "tokens", "body_bytes", "prefix", "future", "t_queued", "reason",
-                 "in_queue")
+                 "in_queue", "out_tokens", "predicted_wait_s", "predicted_total_s", "eta_s")
 
     def __init__(self, flow: tuple[str, str], deadline: int, seq: int, priority: int,
                  model: str, policy: TenantPolicy, ctx: Exchange, family: str, tokens: float,
-                 body_bytes: int, prefix: bytes | None, t_queued: int) -> None:
+                 body_bytes: int, prefix: bytes | None, t_queued: int,
+                 out_tokens: float = DEFAULT_OUTPUT_TOKENS) -> None:
         self.flow = flow  # (tenant, SLO class)
         self.deadline = deadline  # its TTFT deadline (monotonic ns)
         self.seq = seq
@@ -297,6 +326,10 @@ class Waiter:
         self.future: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
         self.t_queued = t_queued
         self.reason = ""
+        self.out_tokens = out_tokens
+        self.predicted_wait_s = 0.0  # at its arrival (what the decision to queue it used)
+        self.predicted_total_s = 0.0  # its TTFT from received, predicted then
+        self.eta_s = 0.0  # its predicted start (controller clock, s), as of the last pass
 
     def __lt__(self, other: Waiter) -> bool:
         return (self.deadline, self.seq) < (other.deadline, other.seq)
@@ -318,6 +351,10 @@ class AdmissionController:
         self.depth: Counter[str] = Counter()  # waiters by SLO class
         self.queued_tokens = 0.0
         self.calibration = TokenCalibration()
+        self.mean_output = float(DEFAULT_OUTPUT_TOKENS)  # EWMA of completion tokens
+        # per SLO class: its last arrival (controller clock, s), weight and TTFT target (s)
+        self._arrivals: dict[str, tuple[float, float, float]] = {}
+        self._held_since: dict[str, float] = {}  # per model: since when a slot is held back
         self.quotas = TenantQuotas(shared, cfg.redis_share, clock=lambda: self.clock() / 1e9)
         self._seq = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
@@ -408,9 +445,10 @@ class AdmissionController:
             self._decided(ctx, REJECTED, e.code)
             self.metrics.tenants.shed(tenant, e.code)
             raise
+        out = float(output_tokens) if output_tokens else self.mean_output
         try:
             ticket = await self._admit(ctx, family, model, loads, tenant, policy, tokens,
-                                       body_bytes, prefix, res)
+                                       body_bytes, prefix, res, out)
         except BaseException:
             self.quotas.give_back(res)
             raise
@@ -420,38 +458,51 @@ class AdmissionController:
 
     async def _admit(self, ctx: Exchange, family: str, model: str, loads: list[ReplicaLoad],
                      tenant: str, policy: TenantPolicy, tokens: float, body_bytes: int,
-                     prefix: bytes | None, res: Reservation) -> Ticket:
+                     prefix: bytes | None, res: Reservation,
+                     out_tokens: float = DEFAULT_OUTPUT_TOKENS) -> Ticket:
         slo = ctx.target
-        if len(self.fair):
+        waited_s = (self.clock() - ctx.t_received) / 1e9
+        self._arrivals[slo.name] = (self.clock() / 1e9, policy.weight * slo.cls.weight,
+                                    slo.ttft_ms / 1e3)
+        if len(self.fair) or self._held_back(slo.name, slo.ttft_ms / 1e3, model, loads):
             # Others are waiting: capacity that frees goes to the flow whose turn it is.
             ticket = None
             why_not = ("priority_wait" if self._higher_priority_waiting(slo.cls.priority)
                        else "fair_wait")
         else:
-            ticket, why_not = await self._try(ctx, loads, tokens, body_bytes, prefix, model)
+            ticket, why_not = await self._try(ctx, loads, tokens, body_bytes, prefix, model,
+                                              out_tokens=out_tokens)
         if ticket is not None:
             self._decided(ctx, ADMITTED, "predicted_ok")
             self.fair.admitted_directly(slo.name)
+            ticket.predicted_wait_s, ctx.predicted_wait_s = 0.0, 0.0
+            ticket.predicted_total_s = waited_s + ticket.predicted_ttft_s
             return ticket
         ticket = self._probe(ctx, loads, tokens, body_bytes, model)
         if ticket is not None:
             self._decided(ctx, ADMITTED, "probe")
             self.fair.admitted_directly(slo.name)
             return ticket
-        self._check_feasible(ctx, loads, tokens, why_not)
         flow = (tenant, slo.name)
         weight = policy.weight * slo.cls.weight
+        deadline = ctx.t_received + int(slo.ttft_ms * 1e6)
+        waiter = Waiter(flow, deadline, next(self._seq), slo.cls.priority, model, policy, ctx,
+                        family, tokens, body_bytes, prefix, self.clock(), out_tokens)
+        # Its turn comes where the fair order would place it, not behind the whole queue.
+        wait_s, ahead = self._arrival_start(waiter, loads, weight, slo.cls.min_share)
+        waiter.predicted_wait_s = ctx.predicted_wait_s = wait_s
+        waiter.eta_s = self.clock() / 1e9 + wait_s
+        point = self._check_feasible(ctx, loads, tokens, why_not, ahead, wait_s)
+        waiter.predicted_total_s = waited_s + wait_s + point
         if len(self.fair) >= self.cfg.max_queue or \
                 self.queued_tokens + tokens > self.cfg.max_queue_tokens:
             victim = self.fair.victim(flow, weight)
             if victim is None:
-                self._reject(ctx, SHED_QUEUE_FULL, self._retry_after_s(loads))
+                self._reject(ctx, SHED_QUEUE_FULL, self._retry_after_s(loads, wait_s))
             else:
-                self._shed(victim, SHED_QUEUE_FULL, self._retry_after_s(loads))
+                self._shed(victim, SHED_QUEUE_FULL, self._retry_after_s(
+                    loads, victim.eta_s - self.clock() / 1e9))
         self.quotas.may_queue(res)
-        deadline = ctx.t_received + int(slo.ttft_ms * 1e6)
-        waiter = Waiter(flow, deadline, next(self._seq), slo.cls.priority, model, policy, ctx,
-                        family, tokens, body_bytes, prefix, self.clock())
         self.fair.push(waiter, weight, slo.cls.min_share)
         self.depth[slo.name] += 1
         self.quotas.queue_enter(tenant)
@@ -472,8 +523,8 @@ class AdmissionController:
 
     async def _try(self, ctx: Exchange, loads: list[ReplicaLoad], tokens: float,
                    body_bytes: int, prefix: bytes | None, model: str = "",
-                   deferred: list[tuple[Ticket, asyncio.Future[bool]]] | None = None
-                   ) -> tuple[Ticket | None, str]:
+                   deferred: list[tuple[Ticket, asyncio.Future[bool]]] | None = None,
+                   out_tokens: float = DEFAULT_OUTPUT_TOKENS) -> tuple[Ticket | None, str]:
         """Admit now if a replica can meet both targets; else (None, why). With `deferred`
         (the queue's drain), the global slot is asked for, not awaited: the ticket and the
         answer to come go there, so one round trip to Redis serves every waiter of the pass."""
@@ -512,7 +563,7 @@ class AdmissionController:
             # configured target, never the request's own.
             ticket = Ticket(self, load, tokens, body_bytes, slo.cls.tpot_ms / 1e3, pred,
                             self.shared is not None, model or (ctx.model or ""),
-                            ctx.tenant_label)
+                            ctx.tenant_label, out_tokens)
             if self.shared is not None and deferred is not None:
                 deferred.append((ticket, asyncio.ensure_future(
                     self.shared.try_acquire(load.replica.name, load.cap))))
@@ -560,6 +611,40 @@ class AdmissionController:
         left_s = (waiter.deadline - self.clock()) / 1e9
         return bool(left_s < URGENT * slo.ttft_ms / 1e3)
 
+    def _held_back(self, cls: str, ttft_s: float, model: str,
+                   loads: list[ReplicaLoad]) -> bool:
+        """Should a request of `cls` leave the model's last free slots to a class with a
+        tighter TTFT target that is below its fair share of recent dispatches and has demand?
+        A tight class cannot wait for a slot to free, so without this a looser one that can
+        takes every slot and the tight one is refused for a TTFT the engine could meet. The
+        slots wait at most HOLD_SHARE of the tight class's TTFT target, then they are
+        anyone's."""
+        free = sum(max(0, load.limit() - load.in_flight) for load in loads
+                   if load.replica.available())
+        if not 0 < free <= HELD_SLOTS:
+            self._held_since.pop(model, None)
+            return False
+        if self._under_share(cls):
+            return False
+        hold = max((t * HOLD_SHARE for c, (_, _, t) in self._active().items()
+                    if c != cls and t < ttft_s and self._under_share(c)), default=0.0)
+        if hold <= 0.0:
+            return False
+        now = self.clock() / 1e9
+        since = self._held_since.setdefault(model, now)
+        return now - since < hold
+
+    def _active(self) -> dict[str, tuple[float, float, float]]:
+        now = self.clock() / 1e9
+        return {c: v for c, v in self._arrivals.items() if now - v[0] < ACTIVE_S}
+
+    def _under_share(self, cls: str) -> bool:
+        """Has `cls` demand and fewer of the recent dispatches than its weight's part?"""
+        active = self._active()
+        if cls not in active:
+            return False
+        return self.fair.share(cls) < active[cls][1] / sum(w for _, w, _ in active.values())
+
     def _higher_priority_waiting(self, priority: int) -> bool:
         return self.fair.waiting_above(priority)
 
@@ -577,58 +662,110 @@ class AdmissionController:
         return load, pred
 
     def _best_case_s(self, loads: list[ReplicaLoad], tokens: float,
-                     safety: float | None = None, tenant: str | None = None) -> float:
-        """TTFT of a request of `tenant` on the least loaded replica if the work queued ahead
-        of it in the gateway went first, plus `safety` (default: the configured one) x the
-        error its tenant's requests are padded with: if even that misses, waiting cannot
-        help."""
+                     safety: float | None = None, tenant: str | None = None,
+                     current: bool = True) -> float:
+        """TTFT of a request of `tenant` on the least loaded replica once it has a slot, with
+        `tokens` prefilled (its own and those starting beside it; with `current`, also the
+        prefill in flight now), plus `safety` (default: the configured one) x the error its
+        tenant's requests are padded with: if even that misses, waiting cannot help."""
         k = self.cfg.safety if safety is None else safety
         out = math.inf
         for load in loads:
             if not load.replica.available(tenant):
                 continue
             est = load.est
-            out = min(out, est.predict_ttft(self._ahead(load) + tokens, 0.0, tenant=tenant)
+            now = self._ahead(load) if current else 0.0
+            out = min(out, est.predict_ttft(now + tokens, 0.0, tenant=tenant)
                       + k * est.ttft_spread_s(tenant))
         return out
 
     def _check_feasible(self, ctx: Exchange, loads: list[ReplicaLoad], tokens: float,
-                        why: str, ahead_tokens: float = 0.0, wait_s: float = 0.0) -> None:
+                        why: str, ahead_tokens: float = 0.0, wait_s: float = 0.0) -> float:
         """Reject now (429 ttft_infeasible) if even the best case misses the TTFT deadline:
-        the work ahead of it prefilled first, after `wait_s` for its turn at a slot."""
+        its turn at a slot in `wait_s` (its place in the fair order, start_time.py), then its
+        prompt prefilled beside the `ahead_tokens` of those starting with it. Returns the
+        predicted TTFT from now (point, not padded)."""
         budget = ctx.target.ttft_ms / 1e3 - (self.clock() - ctx.t_received) / 1e9
         per_replica_ahead = ahead_tokens / max(1, len(loads))
         # The stated error pads the best case; the wait for a turn is added to the point
         # prediction only (padding both would shed requests that would have made it).
         tenant = ctx.tenant_label
-        if (self._best_case_s(loads, tokens + per_replica_ahead, tenant=tenant) > budget
-                or (wait_s and self._best_case_s(loads, tokens + per_replica_ahead, 0.0, tenant)
-                    + wait_s > budget)):
-            self._reject(ctx, SHED_TTFT_INFEASIBLE, self._retry_after_s(loads))
+        current = wait_s <= 0.0  # a later start finds today's prefill done
+        point = self._best_case_s(loads, tokens + per_replica_ahead, 0.0, tenant, current)
+        if (self._best_case_s(loads, tokens + per_replica_ahead, tenant=tenant,
+                              current=current) > budget
+                or (wait_s and point + wait_s > budget)):
+            self._reject(ctx, SHED_TTFT_INFEASIBLE, self._retry_after_s(loads, wait_s),
+                         self._unreachable(ctx, loads, tokens))
+        return point + wait_s
 
-    def _retry_after_s(self, loads: list[ReplicaLoad]) -> float:
-        """When a request like this could be admitted: the time for the prefill work (ours in
-        flight and queued) to drain on the least loaded replica."""
+    def _unreachable(self, ctx: Exchange, loads: list[ReplicaLoad], tokens: float) -> str:
+        """Why a TTFT target no load level meets is refused (empty when it is reachable)."""
+        avail = [load for load in loads if load.replica.available(ctx.tenant_label)]
+        if not avail:
+            return ""
+        floor = min(minimal_ttft_s(load.est, tokens) for load in avail)
+        if ctx.target.ttft_ms / 1e3 >= floor:
+            return ""
+        return (f" Its TTFT target is below what the backend takes for this prompt even when "
+                f"idle (about {floor * 1e3:.0f} ms: prefill plus one decode step), so no load "
+                "level can meet it: raise the class's ttft_ms or shorten the prompt.")
+
+    def _retry_after_s(self, loads: list[ReplicaLoad], wait_s: float = 0.0) -> float:
+        """When a request like this could be admitted: when its turn at a slot comes
+        (`wait_s`, its place in the fair order), else when the prefill in flight drains on the
+        least loaded replica."""
+        if 0.0 < wait_s < math.inf:
+            return max(1.0, wait_s)
         avail = [load for load in loads if load.replica.available()] or loads
-        drain = min(load.est.predict_ttft(load.work_ahead() + self.queued_tokens / len(avail),
-                                          load.decoding_now(),
-                                          load.requests_ahead() + len(self.fair) / len(avail))
+        drain = min(load.est.predict_ttft(load.work_ahead(), load.decoding_now(),
+                                          load.requests_ahead())
                     for load in avail)
         return max(1.0, drain)
 
-    def _refusal(self, ctx: Exchange, reason: str, retry_after_s: float) -> GatewayError:
+    def _plan(self, loads: list[ReplicaLoad], tenant: str | None = None) -> SlotPlan:
+        now = self.clock()
+        return SlotPlan([load.slots(now) for load in loads if load.replica.available(tenant)])
+
+    def _overlap_s(self, loads: list[ReplicaLoad], tokens: float) -> float:
+        """How close together two requests start and still prefill side by side."""
+        return min((load.est.predict_ttft(tokens, 0.0, 0.0) for load in loads), default=0.0)
+
+    def _arrival_start(self, arriving: Waiter, loads: list[ReplicaLoad], weight: float,
+                       min_share: float) -> tuple[float, float]:
+        """An arrival's predicted wait for a slot (s) where the fair order would place it, and
+        the prompt tokens of the waiters ahead that start beside it."""
+        plan = self._plan(loads, arriving.tenant)
+        cls, ttft_ms = arriving.ctx.target.name, arriving.ctx.target.ttft_ms
+        # Looser waiters ahead leave the last free slots to a tight class under its share.
+        reserved = self._under_share(cls)
+        for w in self.fair.order(arriving, weight, min_share):
+            if reserved and w is not arriving and w.ctx.target.ttft_ms > ttft_ms:
+                continue
+            if w is arriving:
+                start = plan.take(w.out_tokens, w.tokens)
+                ahead = plan.prefilling_with(start, self._overlap_s(loads, w.tokens))
+                return start, ahead - w.tokens
+            if w.model == arriving.model and w.in_queue and not w.future.done():
+                plan.take(w.out_tokens, w.tokens)
+        return 0.0, 0.0  # not reached: the order holds the arrival
+
+    def _refusal(self, ctx: Exchange, reason: str, retry_after_s: float,
+                 detail: str = "") -> GatewayError:
         self._decided(ctx, REJECTED, reason)
         self.shed_log.refused(reason)
         self.metrics.tenants.shed(ctx.tenant_label, reason)
         return GatewayError(429, f"Request not admitted ({reason}): its SLO class "
                             f"'{ctx.target.name}' (TTFT {ctx.target.ttft_ms:g} ms, TPOT "
-                            f"{ctx.target.tpot_ms:g} ms) cannot be met now; retry later.",
+                            f"{ctx.target.tpot_ms:g} ms) cannot be met "
+                            + (f"by this backend.{detail}" if detail else "now; retry later."),
                             f"slo_{reason}", outcome="rejected",
                             headers={"Retry-After": str(math.ceil(retry_after_s)),
                                      "x-slogate-admission": reason})
 
-    def _reject(self, ctx: Exchange, reason: str, retry_after_s: float) -> None:
-        raise self._refusal(ctx, reason, retry_after_s)
+    def _reject(self, ctx: Exchange, reason: str, retry_after_s: float,
+                detail: str = "") -> None:
+        raise self._refusal(ctx, reason, retry_after_s, detail)
 
     def _shed(self, waiter: Waiter, reason: str, retry_after_s: float) -> None:
         """Refuse a waiter (its admit() raises) and take it out of the queue now."""
@@ -694,8 +831,8 @@ class AdmissionController:
         model (unless they are in the last quarter of their TTFT budget), so the next free
         capacity is its."""
         try:
-            ahead: dict[str, float] = {}
-            waiting: dict[str, int] = {}  # waiters left waiting ahead, per model
+            # per model: its slots, handed out in fair order (start_time.py)
+            plans: dict[str, SlotPlan] = {}
             blocked: set[str] = set()  # models whose turn-holder is waiting
             # shared state: the tickets of this pass whose global slots are being asked for
             deferred: list[tuple[Ticket, asyncio.Future[bool]]] = []
@@ -711,38 +848,46 @@ class AdmissionController:
                     waiter.future.set_exception(e)
                     self._take_out(waiter)
                     continue
-                if model in blocked and not self._urgent(waiter):
+                plan = plans.get(model)
+                if plan is None:
+                    plan = plans[model] = self._plan(loads)
+                urgent = self._urgent(waiter)
+                if model not in blocked and not urgent and self._held_back(
+                        ctx.target.name, ctx.target.ttft_ms / 1e3, model, loads):
+                    # it leaves the slot to a tighter class, and holds nobody back; its own
+                    # turn is judged on a later pass
+                    continue
+                if model in blocked and not urgent:
                     ticket, why = None, "fair_wait"
                 else:
                     n = len(deferred)
                     ticket, why = await self._try(ctx, loads, waiter.tokens, waiter.body_bytes,
-                                                  waiter.prefix, model, deferred)
+                                                  waiter.prefix, model, deferred,
+                                                  waiter.out_tokens)
                     if len(deferred) > n:
+                        plan.take(waiter.out_tokens)
                         granted.append(waiter)
                         continue
                 if ticket is not None:
+                    plan.take(waiter.out_tokens)
                     self._dispatch(waiter, ticket)
                     continue
-                # Its turn at a slot comes after those left waiting ahead of it, at the rate
-                # slots free: a waiter that cannot make its deadline is told now (with
-                # Retry-After), not when the deadline has passed. Under overload that sheds the
-                # back of each flow, and the flows over their share have the longest backs.
-                wait_s = 0.0
-                if why in ("concurrency_cap", "fair_wait", "priority_wait"):
-                    rates = [r for load in loads if load.replica.available()
-                             and (r := load.service_rate()) is not None]
-                    if rates:
-                        wait_s = (waiting.get(model, 0) + 1) / sum(rates)
+                # Its turn at a slot comes when the slots free that the waiters ahead of it in
+                # fair order have not taken: a waiter that cannot make its deadline is told now
+                # (with Retry-After), not when the deadline has passed. Under overload that
+                # sheds the back of each flow, and the flows over their share have the longest
+                # backs.
+                wait_s = plan.take(waiter.out_tokens, waiter.tokens)
+                ahead = plan.prefilling_with(wait_s, self._overlap_s(loads, waiter.tokens))
+                waiter.eta_s = self.clock() / 1e9 + wait_s
                 try:
-                    self._check_feasible(ctx, loads, waiter.tokens, why, ahead.get(model, 0.0),
-                                         wait_s)
+                    self._check_feasible(ctx, loads, waiter.tokens, why,
+                                         ahead - waiter.tokens, wait_s)
                 except GatewayError as e:
                     if not waiter.future.done():
                         waiter.future.set_exception(e)
                     self._take_out(waiter)
                     continue
-                ahead[model] = ahead.get(model, 0.0) + waiter.tokens
-                waiting[model] = waiting.get(model, 0) + 1
                 blocked.add(model)
             for waiter, (ticket, slot) in zip(granted, deferred, strict=True):
                 try:
@@ -761,6 +906,8 @@ class AdmissionController:
                 self.wake()
 
     def _dispatch(self, waiter: Waiter, ticket: Ticket) -> None:
+        ticket.predicted_wait_s = waiter.predicted_wait_s
+        ticket.predicted_total_s = waiter.predicted_total_s
         self._decided(waiter.ctx, ADMITTED, "after_queue")
         self._take_out(waiter, dispatched=True)
         if waiter.future.done():  # cancelled meanwhile
@@ -770,9 +917,24 @@ class AdmissionController:
 
     # -- learning ----------------------------------------------------------------------------
 
+    def score(self, ticket: Ticket, ctx: Exchange) -> None:
+        """The admission decision's predictions against what happened (signed residuals):
+        the queue wait, and the TTFT from received when a first token came."""
+        if ticket.predicted_wait_s is None or ctx.slo is None:
+            return  # a probe: nothing was predicted
+        cls = ctx.slo.name
+        waited = (ctx.t_admitted - ctx.t_queued) / 1e9 if ctx.t_queued else 0.0
+        self.metrics.admission_error.observe((cls, "queue_wait"),
+                                             waited - ticket.predicted_wait_s)
+        if ctx.t_first_token and ticket.predicted_total_s is not None:
+            ttft = (ctx.t_first_token - ctx.t_received) / 1e9
+            self.metrics.admission_error.observe((cls, "ttft"), ttft - ticket.predicted_total_s)
+
     def learn(self, ticket: Ticket, ctx: Exchange, decoding_end: float) -> None:
         if ctx.outcome != OK or not ctx.t_sent:
             return
+        if ctx.completion_tokens:
+            self.mean_output += 0.05 * (ctx.completion_tokens - self.mean_output)
         load = ticket.load
         hold = (self.clock() - ticket.t_start) / 1e9
         load.hold_s = hold if not load.holds else load.hold_s + 0.1 * (hold - load.hold_s)

@@ -122,18 +122,28 @@ class FairQueue:
         return (len(self.recent) >= MIN_HISTORY and flow.min_share > 0
                 and self.share(flow.key[1]) < flow.min_share)
 
-    def order(self) -> Iterator[Any]:
+    def order(self, extra: Queued | None = None, weight: float = 1.0,
+              min_share: float = 0.0) -> Iterator[Any]:
         """Every waiter, in the order they would be dispatched if each were admitted in turn
-        (the queue is not changed). A starved class's head goes first."""
+        (the queue is not changed). A starved class's head goes first. With `extra` (an
+        arrival, of that weight and min_share): the order as it would be were it pushed."""
         cursors: list[tuple[tuple[int, int, float, int, int], int, Flow, list[Any]]] = []
-        for flow in self.flows.values():
-            if not flow.waiting:
+        flows = list(self.flows.values())
+        if extra is not None and extra.flow not in self.flows:
+            flows.append(Flow(extra.flow, weight, min_share, extra.priority))
+        for flow in flows:
+            items = list(flow.waiting)
+            tag = flow.tag
+            if extra is not None and flow.key == extra.flow:
+                if not items:
+                    tag = max(tag, self.vtime)  # as push() would
+                items.append((extra.deadline, extra.seq, extra))
+            if not items:
                 continue
-            items = sorted(flow.waiting)
+            items.sort(key=lambda item: item[:2])
             first = items[0]
             bump = 0 if self._starved(flow) else 1
-            cursors.append(((bump, -flow.priority, flow.tag, first[0], first[1]), 0, flow,
-                            items))
+            cursors.append(((bump, -flow.priority, tag, first[0], first[1]), 0, flow, items))
         heapq.heapify(cursors)
         while cursors:
             (_, prio, tag, _, _), i, flow, items = heapq.heappop(cursors)

@@ -38,6 +38,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.04,
                  0.05, 0.06, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
                  5.0, 10.0)
+# Signed residuals (actual - predicted, s): negative = sooner than predicted.
+RESIDUAL_BUCKETS = (-5.0, -2.0, -1.0, -0.5, -0.25, -0.1, -0.05, -0.025, -0.01, 0.0, 0.01, 0.025,
+                    0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                     0.1, 0.25, 1.0)
 
@@ -204,6 +207,12 @@ class Metrics:
         self.ttft_error = hist("ttft_prediction_error_seconds",
                                "|predicted - actual| TTFT of admitted requests.",
                                ("backend", "model"), lat)
+        self.admission_error = hist(
+            "admission_prediction_error_seconds",
+            "Admission's prediction at the decision vs what happened: actual - predicted "
+            "(signed: > 0 later than predicted), for the queue wait (kind=queue_wait) and the "
+            "TTFT from request received (kind=ttft), by SLO class.",
+            ("slo_class", "kind"), RESIDUAL_BUCKETS)
         # Upstream attempts and replica health.
         self.attempts = Counter("slogate_upstream_attempts",
                                 "Upstream attempts by result (ok, or why it was retried/failed).",
