@@ -35,11 +35,12 @@ class ServerConfig:
     # idle_connection_timeout_s; open connections are capped in total and per client address
     # (0 = no per-address cap: set it to 0 behind a proxy or load balancer). The caps are sized
     # above what one core streams (~1,000-2,000 paced streams), so that a host is limited by
-    # its cores, not a default: one address may hold a quarter of the connections.
+    # its cores, not a default: one address may hold half of the connections (lower the
+    # per-address cap where every client is a person's app holding a few).
     header_timeout_s: float = 15.0
     body_timeout_s: float = 60.0
     idle_connection_timeout_s: float = 75.0
-    max_connections: int = 16384
+    max_connections: int = 8192
     max_connections_per_client: int = 4096
     # Connections the kernel completes and queues before the gateway accepts them, on every
     # listener (aiohttp's default of 128 loses SYNs in a burst of new connections: each waits
