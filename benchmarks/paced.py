@@ -737,9 +737,10 @@ def render(results: dict[str, Any]) -> str:
                 f"| {r['passed']}/{r['requests']} |")
     lines += [
         "",
-        "**Sustained paced streams** (a rung is held when every request in its "
-        f"{m['window_s']:g} s window got all {m['frames']} frames, the first within "
-        f"{m['first_ms'] + 2 * m['pace_ms']:g} ms and no gap over {2 * m['pace_ms']:g} ms):",
+        "**Sustained paced streams** (a rung is held when every request of it got all "
+        f"{m['frames']} frames, the first within {m['first_ms'] + 2 * m['pace_ms']:g} ms and no "
+        f"gap over {2 * m['pace_ms']:g} ms; figures from the requests started in its "
+        f"{m['window_s']:g} s window; a lost rung is run once more):",
         "",
         "| target | streams | held | requests | TTFT p99 | gap p99 | max gap | frames/s "
         "| CPU % of its core [wait] | RSS MiB | engine CPU % | client CPU % | client lag p99 |",
