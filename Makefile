@@ -56,7 +56,8 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 tests/unit tests/integration
 
 # Streaming overhead, gateway and nginx vs direct (BENCH_ARGS=--quick for a smoke run;
-# BENCH_ARGS="--baseline main --reps 3" adds main's gateway, interleaved).
+# BENCH_ARGS="--baseline main --reps 3" adds main's gateway, interleaved), then the paced-stream
+# lane (bench-results/paced.md; BENCH_ARGS=--paced for the lane alone, --no-paced without it).
 bench: $(STAMP)
 	$(PY) -m benchmarks.overhead --out bench-results/overhead.json --markdown bench-results/overhead.md $(BENCH_ARGS)
 

@@ -27,6 +27,9 @@ Usage (from the repository root):
     .venv/bin/python benchmarks/overhead.py                 # 1,8,64,256 streams, 10 s each
     .venv/bin/python benchmarks/overhead.py --quick         # 1,8 streams, 3 s each (smoke)
     .venv/bin/python benchmarks/overhead.py --profile bench-results/profile
+    .venv/bin/python -m benchmarks.overhead --paced [--quick]  # only the paced-stream lane
+                                                    # (benchmarks/paced.py; it also runs after
+                                                    # the phases above unless --no-paced)
 """
 from __future__ import annotations
 
@@ -878,17 +881,19 @@ def start_nginx(procs: Procs, tmp: Path, host: str, port: int, sim_port: int,
     return master, worker
 
 
-def gateway_config(host: str, port: int, sim_port: int, pool: int, extra: str,
+def gateway_config(host: str, port: int, sim_port: int, pool: int | None, extra: str,
                    server_extra: str = "") -> str:
     """The gateway's TOML: access log off, open auth, one backend (the sim). Versions of the
     gateway that predate a section reject it, so the first candidate that this checkout's
-    config parser accepts is used (the plain one when the parser cannot be imported)."""
+    config parser accepts is used (the plain one when the parser cannot be imported).
+    pool None: the backend's default pool size."""
     server = f'[server]\nhost = "{host}"\nport = {port}\naccess_log = false\n{server_extra}\n'
     auth = '[auth]\nmode = "open"\n\n'
     backend = (f'[[backends]]\nname = "sim"\ntype = "openai"\n'
-               f'base_url = "http://{host}:{sim_port}/v1"\nmodels = ["*"]\npool_size = {pool}\n'
+               f'base_url = "http://{host}:{sim_port}/v1"\nmodels = ["*"]\n'
+               + ("" if pool is None else f"pool_size = {pool}\n")
                # the requests force their lengths with x-sim-output-tokens
-               'forward_headers = ["x-sim-*"]\n')
+               + 'forward_headers = ["x-sim-*"]\n')
     candidates = [server + auth + backend + extra, server + backend + extra]
     try:
         import tomllib
@@ -987,6 +992,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-logs", action="store_true", help="keep the temp dir with process logs")
     ap.add_argument("--client-spec", help=argparse.SUPPRESS)
     ap.add_argument("--client-out", help=argparse.SUPPRESS)
+    from benchmarks import paced
+    paced.add_arguments(ap)
     args = ap.parse_args(argv)
 
     if args.client_spec:
@@ -1024,6 +1031,9 @@ def main(argv: list[str] | None = None) -> int:
     client_cpus = parse_cpus(args.client_cpu, allowed, None) if args.client_cpu else sim_cpus
     placement = {"gateway": fmt_cpus(gw_cpus), "sim": fmt_cpus(sim_cpus),
                  "client": fmt_cpus(client_cpus)}
+    lane = {"gateway": gw_cpus, "sim": sim_cpus, "client": client_cpus}
+    if args.paced:
+        return paced.run_lane(args, lane)
 
     tmp = Path(tempfile.mkdtemp(prefix="slogate-bench-"))
     procs = Procs(tmp)
@@ -1235,7 +1245,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nresults: {out}")
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
-    return 0
+    if args.no_paced or slow_counts or args.baseline:
+        return 0
+    print()
+    return paced.run_lane(args, lane)
 
 
 def profile_point(args: argparse.Namespace, procs: Procs, tmp: Path, spec: dict[str, Any],

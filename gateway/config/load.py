@@ -527,7 +527,7 @@ def _backend(i: int, table: Any, default_timeouts: Timeouts,
                      "the name of an environment variable holding the upstream key")
     if key_env is not None and not key_env:
         key_env = None
-    pool = _typed(where, table, "pool_size", int, 256, "a positive integer")
+    pool = _typed(where, table, "pool_size", int, BackendConfig.pool_size, "a positive integer")
     if pool <= 0:
         raise ConfigError(f"{where}.pool_size", pool, "a positive integer")
     return BackendConfig(

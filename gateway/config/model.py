@@ -33,12 +33,15 @@ class ServerConfig:
     # connection opened or the previous response ended (408, then close); the body must arrive
     # within body_timeout_s (408); an idle keep-alive connection is closed after
     # idle_connection_timeout_s; open connections are capped in total and per client address
-    # (0 = no per-address cap: set it to 0 behind a proxy or load balancer).
+    # (0 = no per-address cap: set it to 0 behind a proxy or load balancer). The caps are sized
+    # above what one core streams (~1,000-2,000 paced streams), so that a host is limited by
+    # its cores, not a default: one address may hold half of the connections (lower the
+    # per-address cap where every client is a person's app holding a few).
     header_timeout_s: float = 15.0
     body_timeout_s: float = 60.0
     idle_connection_timeout_s: float = 75.0
-    max_connections: int = 4096
-    max_connections_per_client: int = 256
+    max_connections: int = 8192
+    max_connections_per_client: int = 4096
     # Connections the kernel completes and queues before the gateway accepts them, on every
     # listener (aiohttp's default of 128 loses SYNs in a burst of new connections: each waits
     # for a 1 s retransmit). The kernel caps it at net.core.somaxconn.
@@ -146,7 +149,7 @@ class BackendConfig:
     models: tuple[str, ...] = ("*",)
     aliases: Mapping[str, str] = field(default_factory=dict)
     api_key_env: str | None = None
-    pool_size: int = 256
+    pool_size: int = 4096  # upstream connections (one per stream in flight), at most
     forward_client_auth: bool = False
     # Send our trace context upstream (so vLLM's span joins our trace). Off for hosted APIs:
     # it would leak internal ids to a third party.

@@ -11,6 +11,8 @@ transport's (gateway/transport/server.py); the policy is here:
   close; a request that cannot be parsed gets a short JSON error that echoes nothing.
 - fd_budget: raises the soft RLIMIT_NOFILE as far as allowed and clamps max_connections so that
   accepting a client can never take the descriptor an upstream connection needs.
+- kernel_backlog: the listen backlog the kernel grants (net.core.somaxconn bounds `backlog`),
+  said once at start when it is less than configured.
 
 The keep-alive idle timeout is aiohttp's own (`keepalive_timeout`); the body deadline is
 ingress's (it answers in the client's API format).
@@ -85,10 +87,13 @@ class ConnectionGuard:
 
 def fd_budget(max_connections: int, upstream_fds: int, reserve: int = 128) -> int:
     """Raise the soft descriptor limit as far as the hard limit allows; return the number of
-    client connections that fit next to `upstream_fds` upstream connections and a reserve
-    (listening sockets, logs, the event loop's own)."""
+    client connections that fit next to the upstream connections and a reserve (listening
+    sockets, logs, the event loop's own). A request holds one upstream connection at a time,
+    so upstream connections in use are at most `upstream_fds` (the pools' sizes) and about
+    as many as the client connections: a pool larger than half the limit is budgeted as half
+    (client and upstream connections split the descriptors evenly)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = max_connections + upstream_fds + reserve
+    want = max_connections + min(upstream_fds, max_connections) + reserve
     if soft != resource.RLIM_INFINITY and soft < want:
         new = want if hard == resource.RLIM_INFINITY else min(want, hard)
         try:
@@ -98,12 +103,32 @@ def fd_budget(max_connections: int, upstream_fds: int, reserve: int = 128) -> in
             pass
     if soft == resource.RLIM_INFINITY:
         return max_connections
-    fit = max(16, soft - upstream_fds - reserve)
+    fit = max(16, soft - min(upstream_fds, (soft - reserve) // 2) - reserve)
     if fit < max_connections:
         log.warning("max_connections lowered from %d to %d: the descriptor limit is %d "
                     "(raise it with ulimit -n)", max_connections, fit, soft)
         return fit
     return max_connections
+
+
+SOMAXCONN = "/proc/sys/net/core/somaxconn"
+
+
+def kernel_backlog(backlog: int, path: str = SOMAXCONN) -> int:
+    """The listen backlog the kernel grants: `backlog`, bounded by net.core.somaxconn (Linux;
+    elsewhere, or unreadable, `backlog` as configured). Lower than configured, it is logged:
+    a burst of new connections beyond the queue waits for a SYN retransmit (1 s)."""
+    try:
+        with open(path) as f:
+            cap = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return backlog
+    if 0 < cap < backlog:
+        log.warning("listen backlog %d is bounded by net.core.somaxconn = %d: the kernel "
+                    "queues at most %d connections not yet accepted (raise it with sysctl -w "
+                    "net.core.somaxconn=%d)", backlog, cap, cap, backlog)
+        return cap
+    return backlog
 
 
 def runner_kwargs(server_cfg: Any) -> dict[str, Any]:

@@ -202,6 +202,8 @@ async def start(app: web.Application, cfg: Config, host: str,
     others = sum(b.pool_size for b in cfg.backends) + (
         admin_connections(cfg, worker) if ADMIN_APP_KEY in app else 0)
     max_conns = listener.fd_budget(max_conns, others)
+    if worker is None or worker.index == 0:  # said once per host
+        listener.kernel_backlog(s.backlog)
     guard = listener.ConnectionGuard(max_conns, per_client, s.header_timeout_s, app[METRICS_KEY])
     return await _listen(app, cfg, host, port, guard, reuse_port=worker is not None,
                          shutdown_timeout=s.drain_timeout_s + 5)

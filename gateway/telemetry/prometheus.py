@@ -262,6 +262,10 @@ class Metrics:
         self.connections_rejected = Counter("slogate_connections_rejected",
                                             "Client connections refused or closed by a listener "
                                             "limit.", ("reason",), registry=self.registry)
+        self.upstream_pool_full = Counter("slogate_upstream_pool_full",
+                                          "Upstream requests that waited for a connection: every "
+                                          "one of the backend's pool_size connections was in "
+                                          "use.", ("backend",), registry=self.registry)
         self.open_connections = Gauge("slogate_open_connections",
                                       "Client connections open now.", registry=self.registry)
         for name in limits.LIMITS:
@@ -275,6 +279,7 @@ class Metrics:
             self.breaker.labels(name).set(0)
             self.backend_healthy.labels(name).set(1)
             self.health_check_failures.labels(name)
+            self.upstream_pool_full.labels(name)
             for state in STATE_NAMES.values():
                 self.breaker_transitions.labels(name, state)
 
@@ -291,6 +296,9 @@ class Metrics:
         self.backend_healthy.labels(backend).set(1 if ok else 0)
         if not ok:
             self.child(self.health_check_failures, (backend,)).inc()
+
+    def pool_full(self, backend: str) -> None:
+        self.child(self.upstream_pool_full, (backend,)).inc()
 
     def child(self, metric: Any, labels: tuple[str, ...]) -> Any:
         """metric.labels(*labels), cached: prometheus_client's lookup costs a lock and a

@@ -2,12 +2,14 @@
 and connections whose body reader hears when the body's framing breaks.
 
 `_create_connection` is the connector's own extension point (every connector class implements
-it), and `_factory` the protocol it makes; both private: tests/integration/test_connector.py
-pins them.
+it), `_factory` the protocol it makes and `_wait_for_available_connection` where a request
+waits for a pool that is full (pool_size connections in use: counted); all private:
+tests/integration/test_connector.py pins them.
 """
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -18,7 +20,7 @@ from aiohttp.helpers import _EXC_SENTINEL, set_exception
 from gateway.timeline import now_ns
 
 if TYPE_CHECKING:
-    from aiohttp.client_reqrep import ClientRequest
+    from aiohttp.client_reqrep import ClientRequest, ConnectionKey
     from aiohttp.tracing import Trace
 
 
@@ -55,10 +57,21 @@ class TimedConnector(aiohttp.TCPConnector):
     without the Trace objects, signal sends and URL copies aiohttp then makes on every request
     (~20 µs per request for two hooks that rarely fire)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, on_pool_full: Callable[[], None] | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._factory = functools.partial(BodyFailingHandler,  # type: ignore[assignment]
                                           loop=self._loop)
+        self.pool_full = 0  # requests that had to wait for a connection (the pool at its limit)
+        self._on_pool_full = on_pool_full
+
+    async def _wait_for_available_connection(self, key: ConnectionKey,
+                                             traces: list[Trace]) -> None:
+        # Only a request that finds every connection of the pool in use gets here.
+        self.pool_full += 1
+        if self._on_pool_full is not None:
+            self._on_pool_full()
+        await super()._wait_for_available_connection(key, traces)
 
     async def _create_connection(self, req: ClientRequest, traces: list[Trace],
                                  timeout: aiohttp.ClientTimeout) -> ResponseHandler:

@@ -36,6 +36,8 @@ class HealthSink(Protocol):
 
     def health_checked(self, backend: str, ok: bool) -> None: ...
 
+    def pool_full(self, backend: str) -> None: ...
+
 
 class _NoSink:
     def breaker_changed(self, backend: str, state: int) -> None:
@@ -45,6 +47,9 @@ class _NoSink:
         pass
 
     def health_checked(self, backend: str, ok: bool) -> None:
+        pass
+
+    def pool_full(self, backend: str) -> None:
         pass
 
 
@@ -88,8 +93,9 @@ class Replica:
         self.unhealthy_since = 0.0
         self._health_task: asyncio.Task[None] | None = None
         self._targets: dict[str, Target] = {}
-        self.connector = connector = TimedConnector(limit=cfg.pool_size,
-                                                    limit_per_host=cfg.pool_size)
+        self.connector = connector = TimedConnector(
+            limit=cfg.pool_size, limit_per_host=cfg.pool_size,
+            on_pool_full=lambda: sink.pool_full(cfg.name))
         # No total or read timeout: streams may legitimately run for minutes. Deadlines are
         # the gateway's own business (first token, idle, total), not the pool's.
         self.timeout = aiohttp.ClientTimeout(total=None, connect=None,

@@ -62,3 +62,35 @@ async def test_a_body_whose_framing_breaks_fails_its_reader_instead_of_hanging()
                     async for chunk in r.content.iter_any():
                         got.append(chunk)
     assert got == [b"abc"]
+
+
+async def test_a_request_that_finds_the_pool_full_is_counted() -> None:
+    """pool_size connections in use: the next request waits for one, and is counted (a pooled
+    or a new connection within the limit is not)."""
+    assert "_wait_for_available_connection" in vars(aiohttp.BaseConnector)  # the override's hook
+    release = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.Response:
+        await release.wait()
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/", slow)
+    hits: list[int] = []
+    connector = TimedConnector(limit=1, on_pool_full=lambda: hits.append(1))
+    async with serve_app(app) as base, aiohttp.ClientSession(connector=connector) as s:
+
+        async def get() -> str:
+            async with s.get(base + "/") as r:
+                return await r.text()
+
+        first = asyncio.create_task(get())
+        while not connector._acquired:  # the first request holds the only connection
+            await asyncio.sleep(0.001)
+        second = asyncio.create_task(get())
+        while not hits:
+            await asyncio.sleep(0.001)
+        release.set()
+        assert await first == await second == "ok"
+        assert await get() == "ok"  # the pooled connection, free again: not counted
+    assert connector.pool_full == 1 and hits == [1]

@@ -17,7 +17,7 @@ def test_minimal_config_defaults() -> None:
     cfg = config.parse({"backends": [BACKEND], "auth": OPEN})
     assert cfg.server.port == 8080 and cfg.server.commit == "first_token"
     b = cfg.backends[0]
-    assert b.type == "openai" and b.models == ("*",) and b.pool_size == 256
+    assert b.type == "openai" and b.models == ("*",) and b.pool_size == 4096
     assert b.api_key_env is None and not b.forward_client_auth
 
 
@@ -154,4 +154,4 @@ def test_backend_env_overrides_pick_the_longest_matching_name() -> None:
     cfg = config.parse(raw, {"SLOGATE_BACKEND_VLLM_A_BASE_URL": "http://c:1/v1",
                              "SLOGATE_BACKEND_VLLM_POOL_SIZE": "7"})
     assert cfg.backends[0].base_url == "http://a:1/v1" and cfg.backends[0].pool_size == 7
-    assert cfg.backends[1].base_url == "http://c:1/v1" and cfg.backends[1].pool_size == 256
+    assert cfg.backends[1].base_url == "http://c:1/v1" and cfg.backends[1].pool_size == 4096

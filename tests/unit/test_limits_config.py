@@ -13,7 +13,7 @@ def test_defaults_are_safe_on_the_internet() -> None:
     s = config.parse({"backends": [BACKEND], "auth": OPEN}).server
     assert s.header_timeout_s == 15 and s.body_timeout_s == 60
     assert s.idle_connection_timeout_s <= 75
-    assert s.max_connections == 4096 and s.max_connections_per_client == 256
+    assert s.max_connections == 8192 and s.max_connections_per_client == 4096
     assert s.max_event_bytes == 8 << 20 and s.max_response_bytes == 32 << 20
     assert s.backlog == 4096
 
