@@ -454,6 +454,17 @@ def admission_row() -> dict[str, Any]:
                                            "backend, model"),
                                   "actual TTFT p50 {{backend}} {{model}}")),
                    "s", w=24),
+        timeseries("Admission prediction error (signed)",
+                   "Actual − predicted, per SLO class: the queue wait admission predicted "
+                   "from the request's place in the fair order (kind=queue_wait) and the TTFT "
+                   "it predicted from arrival (kind=ttft); P10 / P50 / P90. Above 0: later "
+                   "than predicted (it admits requests that then miss); below 0: earlier (it "
+                   "refuses requests that would have made it). A P50 far from 0 is a bias.",
+                   targets(*(target(quantile(q, "slogate_admission_prediction_error_seconds",
+                                             CLS, "slo_class, kind"),
+                                    f"p{round(q * 100)} {{{{slo_class}}}} {{{{kind}}}}")
+                             for q in (0.1, 0.5, 0.9))),
+                   "s", w=24, lines=((0.0, "orange"),)),
     ])
 
 
