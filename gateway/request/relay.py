@@ -373,6 +373,10 @@ class Relay:
         self.drain_asked = False
         self.end: object = None
         self.linger: asyncio.TimerHandle | None = None  # from the terminal event on
+        # The read that brought the terminal event, kept until the body's end (in the same
+        # upstream read, as a rule) to leave with the chunked body's end in one write; else
+        # sent at the end of this loop iteration (`_send_tail`).
+        self.tail: bytes | None = None
         self.waiter: asyncio.Future[None] | None = None
 
     # -- the sink: called from inside the upstream protocol's callbacks, never awaits ---------
@@ -391,7 +395,13 @@ class Relay:
             first = not self.idle_armed and ex.token_events > self.tokens_before
             wire = self.wire
             if wire is not None:
-                if out:
+                if self.tail is not None:  # more after the terminal event: it goes first
+                    out, self.tail = self.tail + out, None
+                if out and ex.done and self.linger is None and wire.chunked \
+                        and not self.splicer.held_size and self.splicer.held_error is None:
+                    self.tail = out  # the terminal event, nothing held back: the end follows
+                    asyncio.get_running_loop().call_soon(self._send_tail)
+                elif out:
                     if wire.send(out):
                         self.t_last_write = t
                         if wire.full:
@@ -463,7 +473,27 @@ class Relay:
             TERMINAL_GRACE_S, self._finish, _LINGERED, False)
 
     def body_eof(self) -> None:
+        tail = self.tail
+        if tail is not None:  # the terminal event's read and the body's end: one write
+            self.tail = None
+            assert self.wire is not None
+            if self.wire.end(tail):
+                self.t_last_write = now_ns()
+            else:
+                self._finish(ClientGone())
         self._finish(_EOF, pause=False)
+
+    def _send_tail(self) -> None:
+        """The terminal event's read, if the body's end did not come with it (or before
+        anything else is written)."""
+        tail = self.tail
+        if tail is not None:
+            self.tail = None
+            assert self.wire is not None
+            if self.wire.send(tail):
+                self.t_last_write = now_ns()
+            else:
+                self._finish(ClientGone())
 
     def body_error(self, exc: BaseException) -> None:
         self._finish(exc, pause=False)  # the body failed: nothing more will come
@@ -525,6 +555,7 @@ class Relay:
             try:
                 if not self._commit():
                     return
+                self._send_tail()
                 if self.wire is not None and not self.wire.send(PING):
                     return  # the reader finds out at its next write
             except ClientGone:
@@ -538,6 +569,7 @@ class Relay:
         try:
             return await self._run()
         finally:
+            self._send_tail()
             if pinger is not None:
                 pinger.cancel()
             if self.linger is not None:
@@ -593,6 +625,7 @@ class Relay:
         try:
             await self._pump()
         except asyncio.CancelledError:
+            self._send_tail()
             reason = self.watchdog.claim()
             if reason is None:
                 raise  # the client went away
@@ -606,7 +639,9 @@ class Relay:
         except UpstreamLost:
             ex.error_type = "upstream_connection_lost"
         except EventTooLarge as e:
+            self._send_tail()
             return await self._too_large(e)
+        self._send_tail()
         held = self.splicer.held_error
         if held is not None:  # the backend's error after the first token: another may go on
             raise StreamBroken(ATTEMPT_IN_BAND_ERROR, ex.error_type or UPSTREAM_ERROR,
