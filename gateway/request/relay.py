@@ -473,24 +473,18 @@ class Relay:
             TERMINAL_GRACE_S, self._finish, _LINGERED, False)
 
     def body_eof(self) -> None:
-        tail = self.tail
-        if tail is not None:  # the terminal event's read and the body's end: one write
-            self.tail = None
-            assert self.wire is not None
-            if self.wire.end(tail):
-                self.t_last_write = now_ns()
-            else:
-                self._finish(ClientGone())
+        self._send_tail(end=True)  # the terminal event's read and the body's end: one write
         self._finish(_EOF, pause=False)
 
-    def _send_tail(self) -> None:
-        """The terminal event's read, if the body's end did not come with it (or before
-        anything else is written)."""
+    def _send_tail(self, end: bool = False) -> None:
+        """The terminal event's read, if kept: with the body's `end`, or alone when the end
+        did not come with it (or before anything else is written)."""
         tail = self.tail
         if tail is not None:
             self.tail = None
-            assert self.wire is not None
-            if self.wire.send(tail):
+            wire = self.wire
+            assert wire is not None
+            if wire.end(tail) if end else wire.send(tail):
                 self.t_last_write = now_ns()
             else:
                 self._finish(ClientGone())
