@@ -373,10 +373,6 @@ class Relay:
         self.drain_asked = False
         self.end: object = None
         self.linger: asyncio.TimerHandle | None = None  # from the terminal event on
-        # The read that brought the terminal event, kept until the body's end (in the same
-        # upstream read, as a rule) to leave with the chunked body's end in one write; else
-        # sent at the end of this loop iteration (`_send_tail`).
-        self.tail: bytes | None = None
         self.waiter: asyncio.Future[None] | None = None
 
     # -- the sink: called from inside the upstream protocol's callbacks, never awaits ---------
@@ -395,13 +391,7 @@ class Relay:
             first = not self.idle_armed and ex.token_events > self.tokens_before
             wire = self.wire
             if wire is not None:
-                if self.tail is not None:  # more after the terminal event: it goes first
-                    out, self.tail = self.tail + out, None
-                if out and ex.done and self.linger is None and wire.chunked \
-                        and not self.splicer.held_size and self.splicer.held_error is None:
-                    self.tail = out  # the terminal event, nothing held back: the end follows
-                    asyncio.get_running_loop().call_soon(self._send_tail)
-                elif out:
+                if out:
                     if wire.send(out):
                         self.t_last_write = t
                         if wire.full:
@@ -473,21 +463,7 @@ class Relay:
             TERMINAL_GRACE_S, self._finish, _LINGERED, False)
 
     def body_eof(self) -> None:
-        self._send_tail(end=True)  # the terminal event's read and the body's end: one write
         self._finish(_EOF, pause=False)
-
-    def _send_tail(self, end: bool = False) -> None:
-        """The terminal event's read, if kept: with the body's `end`, or alone when the end
-        did not come with it (or before anything else is written)."""
-        tail = self.tail
-        if tail is not None:
-            self.tail = None
-            wire = self.wire
-            assert wire is not None
-            if wire.end(tail) if end else wire.send(tail):
-                self.t_last_write = now_ns()
-            else:
-                self._finish(ClientGone())
 
     def body_error(self, exc: BaseException) -> None:
         self._finish(exc, pause=False)  # the body failed: nothing more will come
@@ -549,7 +525,6 @@ class Relay:
             try:
                 if not self._commit():
                     return
-                self._send_tail()
                 if self.wire is not None and not self.wire.send(PING):
                     return  # the reader finds out at its next write
             except ClientGone:
@@ -563,7 +538,6 @@ class Relay:
         try:
             return await self._run()
         finally:
-            self._send_tail()
             if pinger is not None:
                 pinger.cancel()
             if self.linger is not None:
@@ -619,7 +593,6 @@ class Relay:
         try:
             await self._pump()
         except asyncio.CancelledError:
-            self._send_tail()
             reason = self.watchdog.claim()
             if reason is None:
                 raise  # the client went away
@@ -633,9 +606,7 @@ class Relay:
         except UpstreamLost:
             ex.error_type = "upstream_connection_lost"
         except EventTooLarge as e:
-            self._send_tail()
             return await self._too_large(e)
-        self._send_tail()
         held = self.splicer.held_error
         if held is not None:  # the backend's error after the first token: another may go on
             raise StreamBroken(ATTEMPT_IN_BAND_ERROR, ex.error_type or UPSTREAM_ERROR,

@@ -285,20 +285,6 @@ class ClientWire:
         tr.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
         return True
 
-    def end(self, data: bytes) -> bool:
-        """Write `data` (non-empty) as the chunked body's last chunk and the body's end in
-        one write; aiohttp's writer is told that the body is over, so the response's
-        `write_eof` writes nothing more (its `_eof`, pinned in tests/integration/test_wire.py).
-        Chunked responses only. False as `send`."""
-        tr = self.transport
-        if tr is None or tr.is_closing():
-            return False
-        tr.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data))
-        writer = self.writer
-        if writer is not None:
-            writer._eof = True  # type: ignore[attr-defined]
-        return True
-
     @property
     def full(self) -> bool:
         """The client's write buffer is over its high-water mark (the transport paused the

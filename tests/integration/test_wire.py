@@ -97,25 +97,6 @@ async def test_the_head_and_the_first_bytes_leave_in_one_write() -> None:
     assert head.endswith(b"\r\n\r\n") and body.endswith(token + b"\r\n")
 
 
-async def test_the_last_read_and_the_body_end_leave_in_one_write() -> None:
-    """ClientWire.end: the terminal event's chunk and the chunked body's end in one transport
-    write, after which aiohttp's write_eof writes nothing (its writer's `_eof`: if aiohttp
-    changes that, the terminator would be written twice and this fails)."""
-    from gateway.transport.wire import ClientWire, CoalescedResponse, start_response
-
-    request, transport = _request()
-    resp = CoalescedResponse(headers={"Content-Type": "text/event-stream"})
-    start_response(resp, request, chunk(1))
-    wire = ClientWire(request, resp)
-    wire.transport = transport  # type: ignore[assignment]  # (the mocked request's is a mock)
-    assert wire.chunked
-    last = b"data: [DONE]\n\n"
-    assert wire.end(last)
-    await resp.write_eof()
-    assert transport.writes[1:] == [b"%x\r\n%b\r\n0\r\n\r\n" % (len(last), last)]
-    assert resp._eof_sent
-
-
 async def test_the_commit_runs_without_the_event_loop() -> None:
     """start_response runs aiohttp's prepare and first write to their end synchronously (the
     relay commits inside the upstream's data_received), more than a socket buffer at once
