@@ -25,6 +25,8 @@ PROVIDERS: Mapping[str, Provider] = {
 
 # The chat family's usage chunks carry whichever provider's timings (chat.TIMINGS).
 chat.TIMINGS[:] = [p.timing for p in PROVIDERS.values() if p.timing is not None]
+chat.TIMING_KEYS = frozenset(k for p in PROVIDERS.values() if p.timing is not None
+                             for k in p.timing_keys)
 
 
 def _routes() -> dict[str, tuple[Api, str, str]]:

@@ -43,9 +43,12 @@ class ProviderTiming:
     prefill_inferred: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EventInfo:
-    """What one upstream event (or a whole non-streamed response) says."""
+    """What one upstream event (or a whole non-streamed response) says. Read-only by
+    convention (the common answers below are shared); not frozen: a frozen dataclass's
+    `__init__` sets each field through `object.__setattr__`, 3x the cost of building one,
+    and a stream's role, finish and usage chunks each build one."""
     token: bool = False  # carries model output (text, tool-call names/arguments, reasoning)
     visible: bool = False  # ... and that output is user-visible text
     done: bool = False  # the protocol's terminator: nothing more is coming
@@ -67,11 +70,11 @@ class EventInfo:
     has_facts: bool = field(default=False, init=False)  # anything beyond token/visible
 
     def __post_init__(self) -> None:
-        facts = (self.done or self.error_type is not None or self.prompt_tokens is not None
-                 or self.completion_tokens is not None or self.cached_tokens is not None
-                 or self.cache_write_tokens is not None or self.response_id is not None
-                 or bool(self.finish_reasons) or self.timing is not None)
-        object.__setattr__(self, "has_facts", facts)
+        self.has_facts = (self.done or self.error_type is not None
+                          or self.prompt_tokens is not None
+                          or self.completion_tokens is not None or self.cached_tokens is not None
+                          or self.cache_write_tokens is not None or self.response_id is not None
+                          or bool(self.finish_reasons) or self.timing is not None)
 
 
 # The common answers, shared: observing an ordinary token allocates nothing.
@@ -253,6 +256,8 @@ class Provider:
     local_routes: Mapping[str, tuple[str, Handler]] = field(default_factory=dict)
     # the timings it reports in its streams (Groq x_groq, Cerebras time_info, vLLM metrics)
     timing: TimingReader | None = None
+    # the top-level keys `timing` reads: a chunk with none of them is not given to it
+    timing_keys: tuple[str, ...] = ()
 
     def auth_headers(self, api_key: str) -> dict[str, str]:
         if self.auth_header.lower() == "authorization":

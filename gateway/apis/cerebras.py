@@ -29,4 +29,5 @@ async def tcp_warming(request: web.Request) -> web.StreamResponse:
 
 
 PROVIDER = Provider(name="cerebras", family="openai", usage_in_every_stream=True, timing=timing,
+                    timing_keys=("time_info",),
                     local_routes={"/v1/tcp_warming": ("GET", tcp_warming)})

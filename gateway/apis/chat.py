@@ -98,6 +98,9 @@ def _error_type(err: Any) -> str:
 # Every provider's timing reader (gateway/apis/__init__.py fills it from the provider table):
 # a generic OpenAI-compatible backend may be any of them, and its chunks say which.
 TIMINGS: list[TimingReader] = []
+# The top-level keys they read (Provider.timing_keys): a chunk with none of them (the role
+# chunk, a finish chunk without usage) is given to none.
+TIMING_KEYS: frozenset[str] = frozenset()
 
 
 def _facts(obj: dict[str, Any], *, token: bool = False, visible: bool = False,
@@ -107,8 +110,8 @@ def _facts(obj: dict[str, Any], *, token: bool = False, visible: bool = False,
     usage = obj.get("usage")
     prompt, completion = usage_of(usage)
     timing = None
-    for read in TIMINGS:  # a few chunks per stream come here: the first, the last, usage
-        found = read(obj)
+    for read in TIMINGS if not TIMING_KEYS.isdisjoint(obj) else ():
+        found = read(obj)  # a few chunks per stream come here: the first, the last, usage
         if found is not None:
             timing, table = found
             if completion is None and table is not None:  # Groq's streamed usage: x_groq.usage

@@ -12,11 +12,12 @@ from typing import Any
 from gateway.apis.base import Provider, ProviderTiming, seconds
 
 TIMING_KEYS = ("queue_time", "prompt_time", "completion_time")
+_TIMING_KEYS = frozenset(TIMING_KEYS)
 
 
 def timing_of(table: Any) -> ProviderTiming | None:
     """queue_time / prompt_time / completion_time (seconds) of a Groq or Cerebras table."""
-    if not isinstance(table, dict) or not any(k in table for k in TIMING_KEYS):
+    if not isinstance(table, dict) or _TIMING_KEYS.isdisjoint(table):
         return None
     return ProviderTiming(queue_s=seconds(table.get("queue_time")),
                           prefill_s=seconds(table.get("prompt_time")),
@@ -36,4 +37,5 @@ def timing(obj: dict[str, Any]) -> tuple[ProviderTiming, Any] | None:
 
 
 PROVIDER = Provider(name="groq", family="openai", usage_in_every_stream=True, timing=timing,
+                    timing_keys=("x_groq", "usage"),
                     mirrored_routes={"/openai/v1/chat/completions": "/v1/chat/completions"})

@@ -30,4 +30,5 @@ def timing(obj: dict[str, Any]) -> tuple[ProviderTiming, Any] | None:
                           prefill_inferred=prefill is not None), None
 
 
-PROVIDER = Provider(name="vllm", family="openai", usage_when_stream_options=True, timing=timing)
+PROVIDER = Provider(name="vllm", family="openai", usage_when_stream_options=True, timing=timing,
+                    timing_keys=("metrics",))

@@ -334,3 +334,28 @@ def test_token_shape_fits_a_whole_event_read():
                   event[:-1],  # unfinished
                   event.replace(b"data: ", b"data:")):
         assert not shape.fits_event(other), other
+
+
+_timing_table = st.dictionaries(
+    st.sampled_from(["queue_time", "prompt_time", "completion_time", "queue_time_ms",
+                     "time_to_first_token_ms", "prompt_tokens", "completion_tokens", "id"]),
+    st.one_of(st.floats(-1, 10, allow_nan=False), st.integers(-1, 100), st.none()), max_size=5)
+_chunk = st.dictionaries(
+    st.sampled_from(["x_groq", "usage", "time_info", "metrics", "id", "model", "other"]),
+    st.one_of(_timing_table, st.dictionaries(st.just("usage"), _timing_table, max_size=1),
+              st.text(max_size=4), st.none()), max_size=5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_chunk)
+def test_a_chunk_without_any_timing_key_is_read_as_if_every_reader_had_read_it(
+        obj: dict[str, object]) -> None:
+    """The providers' timing readers see only chunks holding one of their keys
+    (Provider.timing_keys): the facts are those of giving every chunk to every reader."""
+    keys = chat.TIMING_KEYS
+    gated = chat._facts(obj)
+    chat.TIMING_KEYS = frozenset(obj) | {"_"}  # every chunk has one
+    try:
+        assert chat._facts(obj) == gated
+    finally:
+        chat.TIMING_KEYS = keys
