@@ -231,7 +231,10 @@ async def _load(gw: str) -> int:
     n = 0
     async with aiohttp.ClientSession() as s:
         for _wave in range(3):
-            jobs = [_request(s, gw, headers=inter if i % 2 else None) for i in range(10)]
+            # The walk-away first: admitted before the failures below open the breaker.
+            jobs = [_request(s, gw, headers={"x-sim-token-delay-ms": "100"},
+                             cancel_after_chunks=2)]
+            jobs += [_request(s, gw, headers=inter if i % 2 else None) for i in range(10)]
             # Groq-flavoured answers report the engine's queue, prefill and decode (in the
             # batch class: admitted whatever the queue, so the stage panels always get data).
             jobs += [_request(s, gw, headers={"x-sim-provider": "groq"}) for _ in range(3)]
@@ -240,9 +243,7 @@ async def _load(gw: str) -> int:
                      _request(s, gw, headers={"x-sim-error-after": "2"}),
                      _request(s, gw, headers={"x-sim-cut-after": "2"}),
                      _request(s, gw, headers={"x-sim-status": "503"}),
-                     _request(s, gw, "no-such-model"),
-                     _request(s, gw, headers={"x-sim-token-delay-ms": "100"},
-                              cancel_after_chunks=2)]
+                     _request(s, gw, "no-such-model")]
             await asyncio.gather(*jobs)
             n += len(jobs)
             await asyncio.sleep(1.2)  # a scrape between waves: rates see the counters move
