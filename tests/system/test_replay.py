@@ -1,8 +1,10 @@
 """`slogate replay` reproduces a recorded run: a seeded open-loop load is driven through a
 gateway with its JSON access log on (the recording), then replayed from that log under the same
 config against a fresh simulator; the goodput must come out within 10 %. The class's TTFT target
-splits the prompt lengths (short prompts meet it, long ones miss it), so a replay that got the
-prompt lengths, output lengths or arrival times wrong gets a different goodput."""
+splits the prompt lengths (short prompts meet it by a margin, long ones miss it by one: a busy
+machine's jitter does not move a request across it), so a replay that got the prompt lengths
+wrong gets a different goodput, and one that got the output lengths or arrival times wrong a
+different TTFT (the gateway's access log says)."""
 from __future__ import annotations
 
 import asyncio
@@ -44,9 +46,10 @@ async def test_replay_reproduces_recorded_goodput() -> None:
     import hashlib
 
     cfg_text = CONFIG % hashlib.sha256(b"key-a").hexdigest()
-    plan = loadgen.poisson(4.0, 6.0, seed=7, prompt=(100, 1800), output=(16, 64))
-    plan = [loadgen.Planned(p.t, p.prompt_tokens, p.output_tokens, None, "team-a")
-            for p in plan]
+    # 48 arrivals: half short prompts (5-20 ms of prefill), half long (70-85 ms)
+    plan = loadgen.poisson(6.0, 8.0, seed=7, prompt=(100, 400), output=(16, 64))
+    plan = [loadgen.Planned(p.t, p.prompt_tokens + (1300 if i % 2 else 0), p.output_tokens, None,
+                            "team-a") for i, p in enumerate(plan)]
     async with sim_and_gateway(SIM_ARGS, cfg_text) as (_, gw):
         sent = await loadgen.send_open(f"{gw.url}/v1/chat/completions", plan,
                                        {"team-a": "key-a"})
@@ -57,7 +60,7 @@ async def test_replay_reproduces_recorded_goodput() -> None:
     _, recorded = replay.load_trace(str(trace))
     want = replay.summarize(recorded)
     assert len(recorded) == len(plan)
-    assert 0.2 < want["met"] / want["requests"] < 0.9, want  # the target splits the mix
+    assert 0.3 < want["met"] / want["requests"] < 0.7, want  # the target splits the mix
     cfg = Path(tempfile.mkstemp(suffix=".toml")[1])
     cfg.write_text(cfg_text.replace("SIM_URL", "http://127.0.0.1:1"))
     out = Path(tempfile.mkstemp(suffix=".json")[1])
