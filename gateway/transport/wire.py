@@ -241,45 +241,49 @@ def start_response(resp: CoalescedResponse, request: web.Request, first: bytes) 
     (`drain=False` skips it: the relay checks the client's buffer itself). ClientGone for a
     client already gone."""
     try:
-        if _plain(resp, request):
-            _head(resp, request, first)
+        writer = _plain(resp, request)
+        if writer is not None:
+            _head(resp, request, writer, first)
             return
         run_now(resp.prepare(request))
-        writer = resp._payload_writer
-        assert writer is not None, "prepared"
-        run_now(writer.write(first, drain=False))  # type: ignore[call-arg]
+        prepared = resp._payload_writer
+        assert prepared is not None, "prepared"
+        run_now(prepared.write(first, drain=False))  # type: ignore[call-arg]
     except _CLIENT_RESET as e:
         raise ClientGone() from e
 
 
-def _plain(resp: CoalescedResponse, request: web.Request) -> bool:
-    """The response is one that `_head` writes exactly as aiohttp's prepare + first write
-    would: not prepared yet, status 200 to an HTTP/1.1 POST (a body, chunked), no cookies,
-    compression, explicit chunking or length, keep-alive left to the request, no
-    on_response_prepare receiver, and a server writer without hooks that has written
-    nothing."""
+def _plain(resp: CoalescedResponse, request: web.Request) -> StreamWriter | None:
+    """The request's writer when the response is one that `_head` writes exactly as aiohttp's
+    prepare + first write would: not prepared yet, status 200 to an HTTP/1.1 POST (a body,
+    chunked), no cookies, compression, explicit chunking or length, keep-alive left to the
+    request, no on_response_prepare receiver, and a server writer without hooks that has
+    written nothing. None: aiohttp's prepare."""
     writer = request._payload_writer
+    if type(writer) is not StreamWriter:
+        return None
     match_info = request._match_info
-    return (type(writer) is StreamWriter and resp._payload_writer is None
-            and not resp._eof_sent and resp._status == 200 and request.method == "POST"
-            and request.version == HttpVersion11 and resp._keep_alive is None
-            and not resp._cookies and not resp._compression and not resp._chunked
-            and resp._length_check and writer._headers_buf is None
-            and not writer._headers_written and writer.output_size == 0
-            and writer.length is None and writer._compress is None
-            and writer._on_chunk_sent is None and writer._on_headers_sent is None
-            and hdrs.CONTENT_LENGTH not in resp._headers
-            and (match_info is None
-                 or not any(app.on_response_prepare for app in match_info._apps)))
+    plain = (resp._payload_writer is None and not resp._eof_sent and resp._status == 200
+             and request.method == "POST"
+             and request.version == HttpVersion11 and resp._keep_alive is None
+             and not resp._cookies and not resp._compression and not resp._chunked
+             and resp._length_check and writer._headers_buf is None
+             and not writer._headers_written and writer.output_size == 0
+             and writer.length is None and writer._compress is None
+             and writer._on_chunk_sent is None and writer._on_headers_sent is None
+             and hdrs.CONTENT_LENGTH not in resp._headers
+             and (match_info is None
+                  or not any(app.on_response_prepare for app in match_info._apps)))
+    return writer if plain else None
 
 
-def _head(resp: CoalescedResponse, request: web.Request, first: bytes) -> None:
+def _head(resp: CoalescedResponse, request: web.Request, writer: StreamWriter,
+          first: bytes) -> None:
     """aiohttp's StreamResponse._prepare_headers, _write_headers and its writer's first chunked
     write, for a `_plain` response, in one transport write; the response and its writer are
     left as aiohttp leaves them (prepared, chunked, the head written), so aiohttp's write and
     write_eof, and the server's keep-alive, go on from there. Pinned byte for byte against
     aiohttp's own in tests/integration/test_wire.py."""
-    writer = request._payload_writer
     keep_alive = request.keep_alive
     headers = resp._headers
     headers[hdrs.TRANSFER_ENCODING] = "chunked"

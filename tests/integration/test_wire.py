@@ -155,7 +155,7 @@ async def test_the_gateways_head_is_aiohttps_byte_for_byte(keep_alive: bool,
     for ours in (True, False):
         request, transport = _keep_alive_request(keep_alive)
         resp = CoalescedResponse(headers=headers)
-        assert _plain(resp, request)
+        assert _plain(resp, request) is request._payload_writer
         if ours:
             start_response(resp, request, first)
         else:
@@ -189,10 +189,10 @@ async def test_an_unusual_response_goes_through_aiohttps_prepare() -> None:
     for change in changes:
         resp = CoalescedResponse()
         change(resp)
-        assert not _plain(resp, request)
+        assert _plain(resp, request) is None
     old = make_mocked_request("POST", "/", version=aiohttp.HttpVersion10,
                               writer=request._payload_writer)
-    assert not _plain(CoalescedResponse(), old)
+    assert _plain(CoalescedResponse(), old) is None
 
     async def hook(request: web.Request, response: web.StreamResponse) -> None:
         pass
@@ -201,7 +201,7 @@ async def test_an_unusual_response_goes_through_aiohttps_prepare() -> None:
     hooked.on_response_prepare.append(hook)
     hooked.freeze()
     request, _ = _request(hooked)
-    assert not _plain(CoalescedResponse(), request)
+    assert _plain(CoalescedResponse(), request) is None
 
 
 class Sink:
