@@ -64,13 +64,16 @@ class _Protocol:
         self._paused = False  # what the writer's drain looks at
 
 
-def _request(app: web.Application | None = None) -> tuple[web.Request, _Transport]:
+def _request(app: web.Application | None = None,
+             keep_alive: bool = True) -> tuple[web.Request, _Transport]:
     from aiohttp.http_writer import StreamWriter
     from aiohttp.test_utils import make_mocked_request
 
     proto = _Protocol()
     writer = StreamWriter(proto, asyncio.get_running_loop())  # type: ignore[arg-type]
-    request = make_mocked_request("POST", "/v1/chat/completions", writer=writer, app=app)
+    headers = {} if keep_alive else {"Connection": "close"}
+    request = make_mocked_request("POST", "/v1/chat/completions", headers=headers,
+                                  writer=writer, app=app)
     return request, proto.transport
 
 
@@ -127,18 +130,6 @@ async def test_the_commit_runs_without_the_event_loop() -> None:
         start_response(CoalescedResponse(), request, b"")
 
 
-def _keep_alive_request(keep_alive: bool) -> tuple[web.Request, _Transport]:
-    from aiohttp.http_writer import StreamWriter
-    from aiohttp.test_utils import make_mocked_request
-
-    proto = _Protocol()
-    writer = StreamWriter(proto, asyncio.get_running_loop())  # type: ignore[arg-type]
-    headers = {} if keep_alive else {"Connection": "close"}
-    request = make_mocked_request("POST", "/v1/chat/completions", headers=headers,
-                                  writer=writer)
-    return request, proto.transport
-
-
 @pytest.mark.parametrize("keep_alive", [True, False])
 @pytest.mark.parametrize("first", [b"", chunk(1), b"data: " + b"x" * 70_000 + b"\n\n"])
 async def test_the_gateways_head_is_aiohttps_byte_for_byte(keep_alive: bool,
@@ -153,7 +144,7 @@ async def test_the_gateways_head_is_aiohttps_byte_for_byte(keep_alive: bool,
                "X-Accel-Buffering": "no", "X-Request-Id": "r-1"}
     seen = []
     for ours in (True, False):
-        request, transport = _keep_alive_request(keep_alive)
+        request, transport = _request(keep_alive=keep_alive)
         resp = CoalescedResponse(headers=headers)
         assert _plain(resp, request) is request._payload_writer
         if ours:
