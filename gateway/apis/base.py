@@ -84,19 +84,42 @@ VISIBLE_TOKEN = EventInfo(token=True, visible=True)
 DONE = EventInfo(done=True)
 
 
-# A byte a plain token text may not hold: a quote or backslash (the text would not be one JSON
-# string value) or a line end (the event would not be one data line). One regex search over
-# the text: 4 bounded `bytes.find` calls cost twice as much (their argument parsing).
-_NOT_PLAIN = re.compile(rb'["\\\r\n]').search
+# A byte a token text may not hold as it is: a quote or backslash (the text would not be one
+# JSON string value as it stands), a control character (JSON has none raw in a string; a line
+# end would end the data line). One regex search over the text: 4 bounded `bytes.find` calls
+# cost twice as much (their argument parsing).
+_NOT_PLAIN = re.compile(rb'["\\\x00-\x1f]').search
+# A text of JSON string escapes besides plain bytes (`\n`, `\"`, `\u00e9`, a surrogate pair):
+# one string value still, as orjson decodes it (a lone surrogate it refuses, so does this).
+_ESCAPED = re.compile(rb'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u(?![dD][89a-fA-F])[0-9a-fA-F]{4}'
+                      rb'|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2})+').fullmatch
+
+
+def _one_string(data: bytes, start: int, end: int) -> bool:
+    """`data[start:end]` (non-empty) is what a JSON string holds between its quotes, as orjson
+    reads it: escapes complete and valid, no raw control character, valid UTF-8 (the callers
+    check plain ASCII text first, inline: most tokens are; this is the rest: text with escapes,
+    a line end in the answer or a quote, checked by a second, slower regex; non-ASCII text
+    decoded)."""
+    bad = _NOT_PLAIN(data, start, end)
+    if bad is not None and (data[bad.start()] != 92 or _ESCAPED(data, start, end) is None):
+        return False
+    if not data.isascii():
+        try:
+            data[start:end].decode()
+        except UnicodeDecodeError:
+            return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
 class TokenShape:
     """A stream's ordinary text-token event as the bytes around its text. An event that is
-    `prefix + text + suffix`, with a non-empty text free of `"`, `\\` and line ends, is the
-    event this shape was taken from with one JSON string value changed to another non-empty
-    one: it says `info` too, without being parsed (the relay's fast path for the common
-    token). Taken from an event of one data line: prefix and suffix hold no line end."""
+    `prefix + text + suffix`, with a non-empty text that is the inside of one JSON string
+    (`_one_string`: escapes allowed), is the event this shape was taken from with one JSON
+    string value changed to another non-empty one: it says `info` too, without being parsed
+    (the relay's fast path for the common token). Taken from an event of one data line:
+    prefix and suffix hold no line end."""
     prefix: bytes
     suffix: bytes
     info: EventInfo
@@ -112,16 +135,20 @@ class TokenShape:
         """`data` (one event's data) fits: the check of an event parsed out of a read."""
         start, end = len(self.prefix), len(data) - len(self.suffix)
         return (end > start and data.startswith(self.prefix) and data.endswith(self.suffix)
-                and _NOT_PLAIN(data, start, end) is None)
+                and (_NOT_PLAIN(data, start, end) is None and data.isascii()
+                     or _one_string(data, start, end)))
 
     def fits_event(self, chunk: bytes) -> bool:
         """`chunk` is exactly one whole `data:` event (LF line ends) that fits: the relay's
         check of a read, without cutting the event's data out of it. The text may then hold
-        no line end either (the prefix and suffix hold none: they came from one data line)."""
+        no raw line end either (the prefix and suffix hold none: they came from one data
+        line)."""
         start = len(self.event_prefix)
         end = len(chunk) - len(self.event_suffix)
         return (end > start and chunk.startswith(self.event_prefix)
-                and chunk.endswith(self.event_suffix) and _NOT_PLAIN(chunk, start, end) is None)
+                and chunk.endswith(self.event_suffix)
+                and (_NOT_PLAIN(chunk, start, end) is None and chunk.isascii()
+                     or _one_string(chunk, start, end)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,10 @@ from collections.abc import Coroutine
 from typing import Any, Protocol
 
 import aiohttp
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.helpers import rfc822_formatted_time
+from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
+from aiohttp.http_writer import StreamWriter, _serialize_headers
 from aiohttp.streams import StreamReader
 
 from gateway.errors import ClientGone
@@ -231,17 +234,80 @@ def start_response(resp: CoalescedResponse, request: web.Request, first: bytes) 
     """Send the response's head with `first` (possibly empty) in one write, synchronously: from
     inside the upstream's `data_received` the first token goes out in the read that brought it,
     not one event-loop iteration later (under load an iteration is a burst of other streams'
-    reads). aiohttp's `prepare` suspends only for on_response_prepare receivers (the gateway
-    registers none), compression (never enabled here) or a headers-sent hook (none on the
-    server's writer); its writer's `write` only to drain, which `drain=False` skips (the relay
-    checks the client's buffer itself). ClientGone for a client already gone."""
+    reads). The relay's answer (a chunked 200 to an HTTP/1.1 POST, nothing aiohttp would add
+    but its own headers) is serialised here, as aiohttp would (`_head`); anything else goes
+    through aiohttp's `prepare`, which suspends only for on_response_prepare receivers,
+    compression or a headers-sent hook, and its writer's `write`, which only suspends to drain
+    (`drain=False` skips it: the relay checks the client's buffer itself). ClientGone for a
+    client already gone."""
     try:
+        writer = _plain(resp, request)
+        if writer is not None:
+            _head(resp, request, writer, first)
+            return
         run_now(resp.prepare(request))
-        writer = resp._payload_writer
-        assert writer is not None, "prepared"
-        run_now(writer.write(first, drain=False))  # type: ignore[call-arg]
+        prepared = resp._payload_writer
+        assert prepared is not None, "prepared"
+        run_now(prepared.write(first, drain=False))  # type: ignore[call-arg]
     except _CLIENT_RESET as e:
         raise ClientGone() from e
+
+
+def _plain(resp: CoalescedResponse, request: web.Request) -> StreamWriter | None:
+    """The request's writer when the response is one that `_head` writes exactly as aiohttp's
+    prepare + first write would: not prepared yet, status 200 to an HTTP/1.1 POST (a body,
+    chunked), no cookies, compression, explicit chunking or length, keep-alive left to the
+    request, no on_response_prepare receiver, and a server writer without hooks that has
+    written nothing. None: aiohttp's prepare."""
+    writer = request._payload_writer
+    if type(writer) is not StreamWriter:
+        return None
+    match_info = request._match_info
+    plain = (resp._payload_writer is None and not resp._eof_sent and resp._status == 200
+             and request.method == "POST"
+             and request.version == HttpVersion11 and resp._keep_alive is None
+             and not resp._cookies and not resp._compression and not resp._chunked
+             and resp._length_check and writer._headers_buf is None
+             and not writer._headers_written and writer.output_size == 0
+             and writer.length is None and writer._compress is None
+             and writer._on_chunk_sent is None and writer._on_headers_sent is None
+             and hdrs.CONTENT_LENGTH not in resp._headers
+             and (match_info is None
+                  or not any(app.on_response_prepare for app in match_info._apps)))
+    return writer if plain else None
+
+
+def _head(resp: CoalescedResponse, request: web.Request, writer: StreamWriter,
+          first: bytes) -> None:
+    """aiohttp's StreamResponse._prepare_headers, _write_headers and its writer's first chunked
+    write, for a `_plain` response, in one transport write; the response and its writer are
+    left as aiohttp leaves them (prepared, chunked, the head written), so aiohttp's write and
+    write_eof, and the server's keep-alive, go on from there. Pinned byte for byte against
+    aiohttp's own in tests/integration/test_wire.py."""
+    keep_alive = request.keep_alive
+    headers = resp._headers
+    headers[hdrs.TRANSFER_ENCODING] = "chunked"
+    headers.setdefault(hdrs.CONTENT_TYPE, "application/octet-stream")
+    if hdrs.DATE not in headers:
+        headers[hdrs.DATE] = rfc822_formatted_time()
+    headers.setdefault(hdrs.SERVER, SERVER_SOFTWARE)
+    if hdrs.CONNECTION not in headers and not keep_alive:
+        headers[hdrs.CONNECTION] = "close"
+    data = _serialize_headers(f"HTTP/1.1 200 {resp._reason}", headers)
+    if first:
+        data += b"%x\r\n%b\r\n" % (len(first), first)
+    resp._req = request
+    resp._payload_writer = writer
+    resp._keep_alive = keep_alive
+    resp._must_be_empty_body = False
+    writer.chunked = True
+    writer._headers_written = True
+    transport = writer.transport
+    if transport is None or transport.is_closing():
+        raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+    writer.buffer_size += len(data)
+    writer.output_size += len(data)
+    transport.write(data)
 
 
 async def write(resp: web.StreamResponse, data: bytes) -> None:

@@ -61,15 +61,19 @@ class _Transport:
 class _Protocol:
     def __init__(self) -> None:
         self.transport = _Transport()
+        self._paused = False  # what the writer's drain looks at
 
 
-def _request(app: web.Application | None = None) -> tuple[web.Request, _Transport]:
+def _request(app: web.Application | None = None,
+             keep_alive: bool = True) -> tuple[web.Request, _Transport]:
     from aiohttp.http_writer import StreamWriter
     from aiohttp.test_utils import make_mocked_request
 
     proto = _Protocol()
     writer = StreamWriter(proto, asyncio.get_running_loop())  # type: ignore[arg-type]
-    request = make_mocked_request("POST", "/v1/chat/completions", writer=writer, app=app)
+    headers = {} if keep_alive else {"Connection": "close"}
+    request = make_mocked_request("POST", "/v1/chat/completions", headers=headers,
+                                  writer=writer, app=app)
     return request, proto.transport
 
 
@@ -124,6 +128,71 @@ async def test_the_commit_runs_without_the_event_loop() -> None:
     request, transport = _request(hooked)
     with pytest.raises(RuntimeError, match="suspended"):
         start_response(CoalescedResponse(), request, b"")
+
+
+@pytest.mark.parametrize("keep_alive", [True, False])
+@pytest.mark.parametrize("first", [b"", chunk(1), b"data: " + b"x" * 70_000 + b"\n\n"])
+async def test_the_gateways_head_is_aiohttps_byte_for_byte(keep_alive: bool,
+                                                         first: bytes) -> None:
+    """start_response serialises the relay's head itself (aiohttp's prepare costs ~20 µs per
+    request): the bytes, the response's and its writer's state after it, and what aiohttp
+    writes next (a chunk, the end) are what aiohttp's own prepare and first write give — if
+    an aiohttp upgrade changes its head or its bookkeeping, this fails first."""
+    from gateway.transport.wire import CoalescedResponse, _plain, start_response
+
+    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache, no-transform",
+               "X-Accel-Buffering": "no", "X-Request-Id": "r-1"}
+    seen = []
+    for ours in (True, False):
+        request, transport = _request(keep_alive=keep_alive)
+        resp = CoalescedResponse(headers=headers)
+        assert _plain(resp, request) is request._payload_writer
+        if ours:
+            start_response(resp, request, first)
+        else:
+            await resp.prepare(request)
+            await resp._payload_writer.write(first, drain=False)  # type: ignore[union-attr,call-arg]
+        writer = resp._payload_writer
+        assert writer is request._payload_writer
+        state = (resp.prepared, resp.keep_alive, resp._must_be_empty_body, resp.chunked,
+                 list(resp.headers.items()), writer.chunked, writer._headers_written,
+                 writer._headers_buf, writer.output_size, writer.buffer_size, writer.length)
+        await resp.write(b"more")
+        await resp.write_eof()
+        seen.append((b"".join(transport.writes), len(transport.writes), state,
+                     resp.body_length))
+    assert seen[0] == seen[1]
+    assert seen[0][0].startswith(b"HTTP/1.1 200 OK\r\n")
+
+
+async def test_an_unusual_response_goes_through_aiohttps_prepare() -> None:
+    """Anything `_head` does not reproduce is left to aiohttp: a cookie, compression, a
+    length, another status, an HTTP/1.0 client, an on_response_prepare receiver."""
+    from aiohttp.test_utils import make_mocked_request
+
+    from gateway.transport.wire import CoalescedResponse, _plain
+
+    request, _ = _request()
+    changes = [lambda r: r.set_cookie("a", "b"), lambda r: r.enable_compression(),
+               lambda r: r.headers.__setitem__("Content-Length", "3"),
+               lambda r: r.set_status(201), lambda r: r.enable_chunked_encoding(),
+               lambda r: setattr(r, "_keep_alive", False)]
+    for change in changes:
+        resp = CoalescedResponse()
+        change(resp)
+        assert _plain(resp, request) is None
+    old = make_mocked_request("POST", "/", version=aiohttp.HttpVersion10,
+                              writer=request._payload_writer)
+    assert _plain(CoalescedResponse(), old) is None
+
+    async def hook(request: web.Request, response: web.StreamResponse) -> None:
+        pass
+
+    hooked = web.Application()
+    hooked.on_response_prepare.append(hook)
+    hooked.freeze()
+    request, _ = _request(hooked)
+    assert _plain(CoalescedResponse(), request) is None
 
 
 class Sink:

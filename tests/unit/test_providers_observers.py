@@ -285,6 +285,51 @@ def test_an_event_that_fits_the_token_shape_says_what_parsing_says(first, other,
         assert _observe(later) == shape.info
 
 
+# What a token's text may be, as bytes between the quotes: pieces of JSON escapes (whole and
+# broken), quotes, control characters, UTF-8 (valid, encoded surrogates, cut), and the bytes
+# of more structure (another key, another choice, a finish reason, usage).
+_text_bytes = st.lists(st.one_of(
+    st.sampled_from([b"\\", b'"', b'\\"', b"\\n", b"\\\\", b"\\/", b"\\u00e9", b"\\u0000",
+                     b"\\ud83d\\ude00", b"\\ud83d", b"\\ude00", b"\\uD83D\\uDE00", b"\\u12",
+                     b"\\x41", b"\x01", b"\x1f", b"\x7f", b"\n", b"\r", "é😀".encode(), b"\xff",
+                     b"\xed\xa0\x80", "é".encode()[:1], b'","finish_reason":"stop',
+                     b'"},"finish_reason":"stop"},{"index":1,"delta":{"content":"y',
+                     b'"}}],"usage":{"completion_tokens":1},"x":{"a":"', b"finish_reason"]),
+    st.binary(max_size=3),
+    st.text(max_size=4).map(lambda t: orjson.dumps(t)[1:-1])), max_size=6).map(b"".join)
+
+
+def _with_text(chunk: dict) -> dict:
+    """The chunk with a plain text in its first choice: most take a shape then."""
+    if chunk["choices"]:
+        chunk["choices"][0]["delta"]["content"] = "tok"
+    return chunk
+
+
+@settings(max_examples=1000, deadline=None)
+@given(_chunk.map(_with_text), _text_bytes)
+def test_the_token_shapes_byte_check_is_the_parse_on_any_text(first, text):
+    """Whatever bytes stand where the shape's text was — escapes, broken escapes, quotes that
+    end the string and add keys or choices, control characters, invalid UTF-8 — an event that
+    fits says what parsing it says; and every valid event of the same chunk with another
+    non-empty text fits (the fast path misses no ordinary token)."""
+    data = orjson.dumps(first)
+    shape = chat.API.token_shape(SSEEvent(None, data, 0, 0), chat.CHAT, _observe(data))
+    if shape is None:
+        return
+    later = shape.prefix + text + shape.suffix
+    event = b"data: " + later + b"\n\n"
+    assert shape.fits(later) == shape.fits_event(event) or b"\n" in text or b"\r" in text
+    if shape.fits(later):
+        assert _observe(later) == shape.info, later
+    try:
+        valid = isinstance(orjson.loads(b'"' + text + b'"'), str)
+    except orjson.JSONDecodeError:
+        valid = False
+    if valid and text:
+        assert shape.fits(later) and shape.fits_event(event), later
+
+
 def test_token_shape_of_the_engines_chunk():
     data = (b'{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m",'
             b'"choices":[{"index":0,"delta":{"content":" token"},"logprobs":null,'
@@ -292,9 +337,14 @@ def test_token_shape_of_the_engines_chunk():
     shape = chat.API.token_shape(SSEEvent(None, data, 0, 0), chat.CHAT, _observe(data))
     assert shape is not None and shape.info is VISIBLE_TOKEN
     assert shape.fits(data.replace(b" token", b" next"))
+    for text in (b'a\\"b', b"a\\\\", b"line\\n", b"\\u00e9", b"\\ud83d\\ude00", "é😀".encode()):
+        assert shape.fits(data.replace(b" token", text)), text  # one JSON string still
     for other in (data.replace(b" token", b""),  # empty text: not visible
-                  data.replace(b" token", b'a\\"b'),  # escapes: parsed
-                  data.replace(b" token", b"a\\\\"),
+                  data.replace(b" token", b"a\\"),  # the closing quote escaped
+                  data.replace(b" token", b"\\ud83d"),  # a lone surrogate: orjson refuses it
+                  data.replace(b" token", b"\\x41"),  # no such escape
+                  data.replace(b" token", b"a\x01b"),  # a raw control character
+                  data.replace(b" token", b"\xff"),  # not UTF-8
                   data.replace(b"null}]", b'"stop"}]'),  # the last chunk
                   data.replace(b"}]}", b'}],"usage":null}'),
                   data.replace(b'"created":1', b'"created":2'),
