@@ -3,12 +3,14 @@ its own load generator: the cleanest A/B of CPU per token on a machine shared wi
 (both see the same contention, the same saturation, the same moment).
 
     python -m benchmarks.paired [--streams 32] [--reps 3] [--duration 8] [--baseline main]
-                                [--tokens 100]
+                                [--tokens 100] [--candidate-tree DIR]
 
 Each gateway gets `--streams` closed-loop streams (`--tokens`-token answers, default 100, at 2 ms
 per token from one simulator); the gateways share the second CPU, the simulator and both load
-generators the first. Prints CPU µs per streamed token and per request of each, per repetition
-and the medians (short answers, e.g. `--tokens 2`, weigh the per-request work).
+generators the first. `--candidate-tree DIR` runs the gateway of a prepared tree (e.g. one with
+extension modules built in place) in place of this checkout's. Prints CPU µs per streamed
+token and per request of each, per repetition and the medians (short answers, e.g.
+`--tokens 2`, weigh the per-request work).
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=100, help="tokens per answer (default 100)")
     ap.add_argument("--baseline-python", help="the baseline gateway's Python (another venv: "
                     "compares dependency versions; default: this one)")
+    ap.add_argument("--candidate-tree", type=Path, help="run the gateway from this source tree "
+                    "(as it is, built extension modules included) instead of this checkout")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="slogate-paired-"))
     procs = ov.Procs(tmp)
@@ -51,13 +55,14 @@ def main(argv: list[str] | None = None) -> int:
                                  capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
         pids, urls = {}, {}
-        for name, cwd in (("gateway", ov.REPO), ("baseline", base)):
+        candidate = args.candidate_tree.resolve() if args.candidate_tree else None
+        for name, cwd in (("gateway", candidate or ov.REPO), ("baseline", base)):
             port = ov.free_port(host)
             cfg = tmp / f"{name}.toml"
             cfg.write_text(ov.gateway_config(host, port, sim_port, 512, ""))
             env = dict(os.environ)
-            if name == "baseline":
-                env["PYTHONPATH"] = str(base)
+            if name == "baseline" or candidate:
+                env["PYTHONPATH"] = str(cwd)
             gw_py = args.baseline_python if name == "baseline" and args.baseline_python else py
             p = procs.start(name, shlex.split(ov.DEFAULT_GATEWAY_CMD.format(
                 python=gw_py, config=cfg, host=host, port=port)), gw_cpu, env=env, cwd=cwd)
@@ -91,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
         diff = [a - b for a, b in zip(per_req["gateway"], per_req["baseline"], strict=True)]
         for name, v in res.items():
-            label = "this checkout" if name == "gateway" else args.baseline
+            label = (str(candidate or "this checkout") if name == "gateway"
+                     else args.baseline)
             print(f"{label}: median {statistics.median(v):.1f} µs/token "
                   f"({', '.join(f'{x:.1f}' for x in v)}), "
                   f"{statistics.median(per_req[name]):.0f} µs/request "
