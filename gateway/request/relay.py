@@ -52,7 +52,9 @@ from gateway.timeline import now_ns
 from gateway.transport.wire import (
     ClientWire,
     CoalescedResponse,
+    PreparedHead,
     UpstreamBody,
+    prepare_head,
     start_response,
     write,
     write_eof,
@@ -365,6 +367,13 @@ class Relay:
         self.body = replay.body if replay is not None else UpstreamBody(up)
         # After commit: a continuation writes on to the response its first attempt began.
         self.wire = ClientWire(request, ex.response) if ex.response is not None else None
+        # The response this attempt commits, its head serialised now (the upstream's head has
+        # come; its first token, usually, not yet): the commit is then one write.
+        self.response: CoalescedResponse | None = None
+        self.prepared: PreparedHead | None = None
+        if self.wire is None:
+            self.response = CoalescedResponse(status=up.status, headers=headers)  # type: ignore[arg-type]
+            self.prepared = prepare_head(self.response, request)
         self.tokens_before = ex.token_events  # the idle deadline starts at this one's first
         self.idle_armed = False
         self.choices = api.choices(ex.parsed)  # answers asked for, each with its finish reason
@@ -494,10 +503,11 @@ class Relay:
             # already; this is only what the coroutine raises should it get that far.
             self._finish(deadline_failure(ATTEMPT_HEDGE_LOST))
             return False
-        resp = CoalescedResponse(status=self.up.status, headers=self.headers)  # type: ignore[arg-type]
+        resp = self.response
+        assert resp is not None  # (a continuation's is its first attempt's: committed)
         first, self.held, self.held_bytes = b"".join(self.held), [], 0
         ex.t_committed = now_ns()
-        start_response(resp, self.request, first)
+        start_response(resp, self.request, first, self.prepared)
         ex.response = resp
         self.wire = ClientWire(self.request, resp)
         self.t_last_write = now_ns()
