@@ -280,9 +280,9 @@ def start_response(resp: CoalescedResponse, request: web.Request, first: bytes,
             _head(resp, request, writer, first)
             return
         run_now(resp.prepare(request))
-        writer = resp._payload_writer
-        assert writer is not None, "prepared"
-        run_now(writer.write(first, drain=False))  # type: ignore[call-arg]
+        payload_writer = resp._payload_writer
+        assert payload_writer is not None, "prepared"
+        run_now(payload_writer.write(first, drain=False))  # type: ignore[call-arg]
     except _CLIENT_RESET as e:
         raise ClientGone() from e
 
