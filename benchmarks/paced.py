@@ -22,6 +22,7 @@ default limits (the generated config sets no pool size and no connection caps): 
 shows where a default stops a host.
 
 Run only this lane:  python -m benchmarks.overhead --paced [--quick]
+Latency only (no ladder), short responses:  ... --paced --paced-latency-only --paced-frames 4
 """
 from __future__ import annotations
 
@@ -577,7 +578,7 @@ def run_lane(args: argparse.Namespace, placement: dict[str, set[int] | None]) ->
         if "gateway" in targets:
             cfg = tmp / "gateway.toml"
             cfg.write_text(ov.gateway_config(host, ports["gateway"], ports["direct"], None, ""))
-            argv = shlex.split(ov.DEFAULT_GATEWAY_CMD.format(
+            argv = shlex.split(args.gateway_cmd.format(
                 python=shlex.quote(sys.executable), config=cfg, host=host,
                 port=ports["gateway"]))
             gw = procs.start("gateway", argv, gw_cpus)
