@@ -22,6 +22,7 @@ default limits (the generated config sets no pool size and no connection caps): 
 shows where a default stops a host.
 
 Run only this lane:  python -m benchmarks.overhead --paced [--quick]
+Latency only (no ladder), short responses:  ... --paced --paced-latency-only --paced-frames 4
 """
 from __future__ import annotations
 
@@ -517,6 +518,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--no-paced", action="store_true", help="skip the paced-stream lane")
     g.add_argument("--paced-ladder", help="concurrent paced streams per rung "
                    "(default 64,256,512,1024,2048,4096; quick: 64,256)")
+    g.add_argument("--paced-latency-only", action="store_true",
+                   help="measure latency at c=1 and c=8 only (no ladder)")
+    g.add_argument("--paced-frames", type=int,
+                   help=f"content frames per response (default {FRAMES}; fewer: a shorter "
+                   "request, for TTFT)")
     g.add_argument("--paced-requests", type=int,
                    help="requests at c=1 and at c=8 per target (default 300; quick: 24)")
     g.add_argument("--paced-window", type=float,
@@ -534,6 +540,9 @@ def run_lane(args: argparse.Namespace, placement: dict[str, set[int] | None]) ->
     quick = args.quick
     ladder = ([int(s) for s in args.paced_ladder.split(",")] if args.paced_ladder
               else list(QUICK_LADDER if quick else LADDER))
+    if args.paced_latency_only:
+        ladder = []
+    frames = args.paced_frames or FRAMES
     requests = args.paced_requests or (24 if quick else 300)
     window = args.paced_window or (3.0 if quick else 8.0)
     targets = [t.strip() for t in args.paced_targets.split(",") if t.strip()]
@@ -549,7 +558,7 @@ def run_lane(args: argparse.Namespace, placement: dict[str, set[int] | None]) ->
              "gateway": ov.free_port(host)}
     results: dict[str, Any] = {"meta": {
         "benchmark": "paced", "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "git": ov.git_rev(), "frames": FRAMES, "pace_ms": PACE_MS, "first_ms": FIRST_MS,
+        "git": ov.git_rev(), "frames": frames, "pace_ms": PACE_MS, "first_ms": FIRST_MS,
         "requests": requests, "window_s": window, "ladder": ladder, "targets": targets,
         "clients": args.paced_clients,
         "placement": {k: ov.fmt_cpus(v) for k, v in placement.items()},
@@ -559,22 +568,23 @@ def run_lane(args: argparse.Namespace, placement: dict[str, set[int] | None]) ->
     ok = False
     try:
         eng = procs.start("engine", [sys.executable, "-m", "benchmarks.paced", "engine",
-                                     "--host", host, "--port", str(ports["direct"])], eng_cpus)
+                                     "--host", host, "--port", str(ports["direct"]),
+                                     "--frames", str(frames)], eng_cpus)
         ov.wait_http(procs, "engine", f"http://{host}:{ports['direct']}/v1/models")
         pids: dict[str, int] = {}
         if "nginx" in targets:
             _, pids["nginx"] = ov.start_nginx(procs, tmp, host, ports["nginx"], ports["direct"],
-                                              gw_cpus, max(ladder))
+                                              gw_cpus, max(ladder, default=64))
         if "gateway" in targets:
             cfg = tmp / "gateway.toml"
             cfg.write_text(ov.gateway_config(host, ports["gateway"], ports["direct"], None, ""))
-            argv = shlex.split(ov.DEFAULT_GATEWAY_CMD.format(
+            argv = shlex.split(args.gateway_cmd.format(
                 python=shlex.quote(sys.executable), config=cfg, host=host,
                 port=ports["gateway"]))
             gw = procs.start("gateway", argv, gw_cpus)
             ov.wait_http(procs, "gateway", f"http://{host}:{ports['gateway']}/healthz")
             pids["gateway"] = gw.pid
-        print(f"paced lane: {FRAMES} frames × {PACE_MS:g} ms after {FIRST_MS:g} ms; targets "
+        print(f"paced lane: {frames} frames × {PACE_MS:g} ms after {FIRST_MS:g} ms; targets "
               f"{', '.join(targets)}; logs in {tmp}", flush=True)
 
         def point(target: str, streams: int, **mode: Any) -> dict[str, Any]:
@@ -587,9 +597,9 @@ def run_lane(args: argparse.Namespace, placement: dict[str, set[int] | None]) ->
             for i in range(nproc):
                 share = streams // nproc + (1 if i < streams % nproc else 0)
                 spec = {"host": host, "port": ports[target], "path": "/v1/chat/completions",
-                        "frames": FRAMES, "pace_ms": PACE_MS, "first_ms": FIRST_MS,
+                        "frames": frames, "pace_ms": PACE_MS, "first_ms": FIRST_MS,
                         "streams": share, "start_at": start_at, "watch": watch,
-                        "grace": FIRST_MS / 1e3 + FRAMES * PACE_MS / 1e3 + 3.0, **mode}
+                        "grace": FIRST_MS / 1e3 + frames * PACE_MS / 1e3 + 3.0, **mode}
                 if "requests" in mode:
                     spec["requests"] = mode["requests"] // nproc + (
                         1 if i < mode["requests"] % nproc else 0)
@@ -604,7 +614,7 @@ def run_lane(args: argparse.Namespace, placement: dict[str, set[int] | None]) ->
             row: dict[str, Any] = {"streams": c}
             for target in targets:
                 print(f"[c={c}] {target:<8} {requests} requests …", end=" ", flush=True)
-                r = point(target, c, requests=requests, ramp=PACE_MS / 1e3 * FRAMES,
+                r = point(target, c, requests=requests, ramp=PACE_MS / 1e3 * frames,
                           settle=0.0)
                 row[target] = r
                 print(_line(r), flush=True)
@@ -613,7 +623,7 @@ def run_lane(args: argparse.Namespace, placement: dict[str, set[int] | None]) ->
             rungs: list[dict[str, Any]] = []
             for n in ladder:
                 print(f"[{n:>5} paced streams] {target:<8} …", end=" ", flush=True)
-                ramp = max(FIRST_MS / 1e3 + FRAMES * PACE_MS / 1e3, n / 1500)
+                ramp = max(FIRST_MS / 1e3 + frames * PACE_MS / 1e3, n / 1500)
                 for attempt in (1, 2):  # a lost rung is run again once: one stall of a
                     #                     shared machine is not the target's limit
                     r = point(target, n, ramp=ramp, settle=1.0, duration=window)

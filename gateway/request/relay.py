@@ -52,7 +52,9 @@ from gateway.timeline import now_ns
 from gateway.transport.wire import (
     ClientWire,
     CoalescedResponse,
+    PreparedHead,
     UpstreamBody,
+    prepare_head,
     start_response,
     write,
     write_eof,
@@ -120,8 +122,8 @@ class Splicer:
     keeps an incomplete event back until it completes. No I/O."""
 
     __slots__ = ("ex", "api", "route", "parser", "pending", "parts", "parts_size", "drop_lf",
-                 "capture", "captured", "shape", "shape_tries", "kept", "splice", "held_error",
-                 "held_flooded")
+                 "capture", "captured", "shape", "shape_tries", "shape_from", "kept", "splice",
+                 "held_error", "held_flooded")
 
     def __init__(self, ex: Exchange, api: Api, capture: list[str] | None = None,
                  max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
@@ -142,6 +144,9 @@ class Splicer:
         # TokenShape): later tokens that fit it are stamped without being parsed.
         self.shape: TokenShape | None = None
         self.shape_tries = 4
+        # The event a shape is to be taken from, not taken yet: the read that brings the first
+        # token commits before it (`learn_shape`), and the read that needs the shape takes it.
+        self.shape_from: tuple[SSEEvent, EventInfo] | None = None
         # A stream that may be continued keeps the text the client got (so no token shape:
         # every event is read); one that continues another has its events rewritten.
         self.kept = ex.streamed_text
@@ -164,7 +169,7 @@ class Splicer:
         parser = self.parser
         # (`parts` held means the parser is inside an event: neither fast path is taken)
         if not self.pending and not self.drop_lf:
-            shape = self.shape
+            shape = self.shape if self.shape_from is None else self.learn_shape()
             if shape is not None and shape.fits_event(chunk) and parser.between_events():
                 ex.t_last_event = t  # another ordinary token, one whole event in this read
                 ex.event_seen(shape.info, t)
@@ -190,7 +195,7 @@ class Splicer:
             ex.t_last_event = t
             drop_usage = ex.usage_injected
             for ev in events:
-                shape = self.shape
+                shape = self.shape if self.shape_from is None else self.learn_shape()
                 if shape is not None and ev.event is None and shape.fits(ev.data):
                     ex.event_seen(shape.info, t)
                     continue
@@ -312,11 +317,21 @@ class Splicer:
                 self._capture(ev)
         elif (info.visible and not info.has_facts and ev.event is None and self.shape_tries
               and self.kept is None and self.splice is None):
-            shape = self.api.token_shape(ev, self.route, info)
-            if shape is not None:  # the first, or the chunks changed around their text
+            if self.shape_from is not None:
+                self.learn_shape()
+            self.shape_from = ev, info
+        return info
+
+    def learn_shape(self) -> TokenShape | None:
+        """The stream's token shape, taken now from the event that offered one (if any):
+        the first, or the chunks changed around their text; after a few, no more shapes."""
+        offered, self.shape_from = self.shape_from, None
+        if offered is not None:
+            shape = self.api.token_shape(offered[0], self.route, offered[1])
+            if shape is not None:
                 self.shape_tries -= 1
                 self.shape = shape if self.shape_tries else None
-        return info
+        return self.shape
 
     def _capture(self, ev: SSEEvent) -> None:
         capture = self.capture
@@ -365,6 +380,13 @@ class Relay:
         self.body = replay.body if replay is not None else UpstreamBody(up)
         # After commit: a continuation writes on to the response its first attempt began.
         self.wire = ClientWire(request, ex.response) if ex.response is not None else None
+        # The response this attempt commits, its head serialised now (the upstream's head has
+        # come; its first token, usually, not yet): the commit is then one write.
+        self.response: CoalescedResponse | None = None
+        self.prepared: PreparedHead | None = None
+        if self.wire is None:
+            self.response = CoalescedResponse(status=up.status, headers=headers)  # type: ignore[arg-type]
+            self.prepared = prepare_head(self.response, request)
         self.tokens_before = ex.token_events  # the idle deadline starts at this one's first
         self.idle_armed = False
         self.choices = api.choices(ex.parsed)  # answers asked for, each with its finish reason
@@ -418,6 +440,8 @@ class Relay:
                                                "answer without a first token"))
             if ex.done and self.linger is None and self.end is None:
                 self._terminal()
+            if self.splicer.shape_from is not None:  # after the write: off the token's path
+                self.splicer.learn_shape()
         except EventTooLarge as e:  # raised by the coroutine, without this frame (a cycle)
             self._finish(e.with_traceback(None))
         except Exception as e:  # a bug of ours: raised by the coroutine, as before (never
@@ -494,10 +518,11 @@ class Relay:
             # already; this is only what the coroutine raises should it get that far.
             self._finish(deadline_failure(ATTEMPT_HEDGE_LOST))
             return False
-        resp = CoalescedResponse(status=self.up.status, headers=self.headers)  # type: ignore[arg-type]
+        resp = self.response
+        assert resp is not None  # (a continuation's is its first attempt's: committed)
         first, self.held, self.held_bytes = b"".join(self.held), [], 0
         ex.t_committed = now_ns()
-        start_response(resp, self.request, first)
+        start_response(resp, self.request, first, self.prepared)
         ex.response = resp
         self.wire = ClientWire(self.request, resp)
         self.t_last_write = now_ns()

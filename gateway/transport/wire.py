@@ -230,27 +230,67 @@ def run_now(coro: Coroutine[Any, Any, Any]) -> None:
     raise RuntimeError(f"{getattr(coro, '__qualname__', coro)} suspended")
 
 
-def start_response(resp: CoalescedResponse, request: web.Request, first: bytes) -> None:
+class PreparedHead:
+    """A relay's response head serialised before it is due (`prepare_head`, when the upstream's
+    headers arrive), so that the commit — in the read that brings the first token — is one
+    write of bytes made already. Only its Date is looked at again then (the second may have
+    changed since)."""
+
+    __slots__ = ("resp", "writer", "keep_alive", "data", "date", "date_at")
+
+    def __init__(self, resp: CoalescedResponse, writer: StreamWriter, keep_alive: bool,
+                 data: bytes, date: str | None) -> None:
+        self.resp = resp
+        self.writer = writer
+        self.keep_alive = keep_alive
+        self.data = data
+        self.date = date  # the Date it carries, when the gateway set it (None: the upstream's)
+        self.date_at = data.find(b"\r\nDate: ") + 8 if date is not None else -1
+
+
+def prepare_head(resp: CoalescedResponse, request: web.Request) -> PreparedHead | None:
+    """Serialise `resp`'s head now, for `start_response` to send later: None when it is not a
+    response that `_head` writes (aiohttp's prepare will, at the commit). Nothing is sent;
+    nothing may be written to the client before it is."""
+    writer = _plain(resp, request)
+    if writer is None:
+        return None
+    keep_alive = request.keep_alive
+    data, date = _serialise(resp, keep_alive)
+    return PreparedHead(resp, writer, keep_alive, data, date)
+
+
+def start_response(resp: CoalescedResponse, request: web.Request, first: bytes,
+                   prepared: PreparedHead | None = None) -> None:
     """Send the response's head with `first` (possibly empty) in one write, synchronously: from
     inside the upstream's `data_received` the first token goes out in the read that brought it,
     not one event-loop iteration later (under load an iteration is a burst of other streams'
     reads). The relay's answer (a chunked 200 to an HTTP/1.1 POST, nothing aiohttp would add
-    but its own headers) is serialised here, as aiohttp would (`_head`); anything else goes
-    through aiohttp's `prepare`, which suspends only for on_response_prepare receivers,
-    compression or a headers-sent hook, and its writer's `write`, which only suspends to drain
-    (`drain=False` skips it: the relay checks the client's buffer itself). ClientGone for a
-    client already gone."""
+    but its own headers) is serialised here, as aiohttp would (`_head`), or was already
+    (`prepared`, from `prepare_head`); anything else goes through aiohttp's `prepare`, which
+    suspends only for on_response_prepare receivers, compression or a headers-sent hook, and
+    its writer's `write`, which only suspends to drain (`drain=False` skips it: the relay
+    checks the client's buffer itself). ClientGone for a client already gone."""
     try:
+        if prepared is not None and prepared.resp is resp and _unsent(resp, prepared.writer):
+            _send(prepared, request, first)
+            return
         writer = _plain(resp, request)
         if writer is not None:
             _head(resp, request, writer, first)
             return
         run_now(resp.prepare(request))
-        prepared = resp._payload_writer
-        assert prepared is not None, "prepared"
-        run_now(prepared.write(first, drain=False))  # type: ignore[call-arg]
+        payload_writer = resp._payload_writer
+        assert payload_writer is not None, "prepared"
+        run_now(payload_writer.write(first, drain=False))  # type: ignore[call-arg]
     except _CLIENT_RESET as e:
         raise ClientGone() from e
+
+
+def _unsent(resp: CoalescedResponse, writer: StreamWriter) -> bool:
+    """Nothing of the response (or any other) was written since its head was prepared."""
+    return (resp._payload_writer is None and not resp._eof_sent
+            and not writer._headers_written and writer.output_size == 0)
 
 
 def _plain(resp: CoalescedResponse, request: web.Request) -> StreamWriter | None:
@@ -285,20 +325,41 @@ def _head(resp: CoalescedResponse, request: web.Request, writer: StreamWriter,
     write_eof, and the server's keep-alive, go on from there. Pinned byte for byte against
     aiohttp's own in tests/integration/test_wire.py."""
     keep_alive = request.keep_alive
+    data, date = _serialise(resp, keep_alive)
+    _send(PreparedHead(resp, writer, keep_alive, data, date), request, first)
+
+
+def _serialise(resp: CoalescedResponse, keep_alive: bool) -> tuple[bytes, str | None]:
+    """The head of a `_plain` response as aiohttp's _prepare_headers and _write_headers make
+    it (its headers completed as they complete them), and the Date set here (None: the
+    response had one)."""
     headers = resp._headers
     headers[hdrs.TRANSFER_ENCODING] = "chunked"
     headers.setdefault(hdrs.CONTENT_TYPE, "application/octet-stream")
+    date = None
     if hdrs.DATE not in headers:
-        headers[hdrs.DATE] = rfc822_formatted_time()
+        date = headers[hdrs.DATE] = rfc822_formatted_time()
     headers.setdefault(hdrs.SERVER, SERVER_SOFTWARE)
     if hdrs.CONNECTION not in headers and not keep_alive:
         headers[hdrs.CONNECTION] = "close"
-    data = _serialize_headers(f"HTTP/1.1 200 {resp._reason}", headers)
+    return _serialize_headers(f"HTTP/1.1 200 {resp._reason}", headers), date
+
+
+def _send(head: PreparedHead, request: web.Request, first: bytes) -> None:
+    """Write a serialised head with `first` as the body's first chunk (none when empty), and
+    leave the response and its writer as aiohttp's prepare and first write leave them."""
+    resp, writer, data = head.resp, head.writer, head.data
+    if head.date is not None:
+        date = rfc822_formatted_time()  # (aiohttp's, computed once a second)
+        if date != head.date:  # a second later than when the head was made
+            at = head.date_at
+            resp._headers[hdrs.DATE] = head.date = date
+            data = head.data = data[:at] + date.encode() + data[at + len(date):]
     if first:
         data += b"%x\r\n%b\r\n" % (len(first), first)
     resp._req = request
     resp._payload_writer = writer
-    resp._keep_alive = keep_alive
+    resp._keep_alive = head.keep_alive
     resp._must_be_empty_body = False
     writer.chunked = True
     writer._headers_written = True

@@ -138,16 +138,20 @@ async def test_the_gateways_head_is_aiohttps_byte_for_byte(keep_alive: bool,
     request): the bytes, the response's and its writer's state after it, and what aiohttp
     writes next (a chunk, the end) are what aiohttp's own prepare and first write give — if
     an aiohttp upgrade changes its head or its bookkeeping, this fails first."""
-    from gateway.transport.wire import CoalescedResponse, _plain, start_response
+    from gateway.transport.wire import CoalescedResponse, _plain, prepare_head, start_response
 
     headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache, no-transform",
                "X-Accel-Buffering": "no", "X-Request-Id": "r-1"}
     seen = []
-    for ours in (True, False):
+    for ours in ("prepared", "at commit", "aiohttp"):
         request, transport = _request(keep_alive=keep_alive)
         resp = CoalescedResponse(headers=headers)
         assert _plain(resp, request) is request._payload_writer
-        if ours:
+        if ours == "prepared":  # serialised ahead (when the upstream's head came), sent later
+            prepared = prepare_head(resp, request)
+            assert prepared is not None and not transport.writes
+            start_response(resp, request, first, prepared)
+        elif ours == "at commit":
             start_response(resp, request, first)
         else:
             await resp.prepare(request)
@@ -161,8 +165,36 @@ async def test_the_gateways_head_is_aiohttps_byte_for_byte(keep_alive: bool,
         await resp.write_eof()
         seen.append((b"".join(transport.writes), len(transport.writes), state,
                      resp.body_length))
-    assert seen[0] == seen[1]
+    assert seen[0] == seen[1] == seen[2]
     assert seen[0][0].startswith(b"HTTP/1.1 200 OK\r\n")
+
+
+async def test_a_prepared_head_is_dated_when_it_is_sent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A head serialised a second (or a long prefill) before its first token carries the Date
+    of its commit, as aiohttp's would; the upstream's own Date is left as it was."""
+    from gateway.transport import wire
+
+    dates = iter(["Wed, 02 Dec 2026 02:00:00 GMT", "Wed, 02 Dec 2026 02:00:07 GMT"])
+    monkeypatch.setattr(wire, "rfc822_formatted_time", lambda: next(dates))
+    request, transport = _request()
+    resp = wire.CoalescedResponse(headers={"Content-Type": "text/event-stream"})
+    prepared = wire.prepare_head(resp, request)
+    assert prepared is not None
+    wire.start_response(resp, request, chunk(1), prepared)
+    (sent,) = transport.writes
+    assert b"\r\nDate: Wed, 02 Dec 2026 02:00:07 GMT\r\n" in sent
+    assert b"02:00:00" not in sent
+    assert resp.headers["Date"] == "Wed, 02 Dec 2026 02:00:07 GMT"
+    assert sent.endswith(b"\r\n\r\n" + b"%x\r\n%b\r\n" % (len(chunk(1)), chunk(1)))
+
+    request, transport = _request()
+    theirs = "Tue, 01 Dec 2026 00:00:00 GMT"
+    resp = wire.CoalescedResponse(headers={"Content-Type": "text/event-stream", "Date": theirs})
+    prepared = wire.prepare_head(resp, request)
+    assert prepared is not None
+    wire.start_response(resp, request, b"", prepared)
+    assert f"\r\nDate: {theirs}\r\n".encode() in transport.writes[0]
 
 
 async def test_an_unusual_response_goes_through_aiohttps_prepare() -> None:

@@ -158,6 +158,31 @@ def test_the_token_shape_fast_path_stamps_what_parsing_every_event_would(
     assert runs[0][0] == stream
 
 
+@pytest.mark.parametrize("after_write", [True, False])
+def test_the_shape_is_taken_after_the_read_that_offers_it(after_write: bool) -> None:
+    """The first token's read goes out before the stream's token shape is taken from it (the
+    relay calls learn_shape after its write); a read that needs the shape takes it first, so
+    the next token is on the fast path either way."""
+    ex = Exchange(chat.CHAT)
+    splicer = Splicer(ex, chat.API)
+    shapes = []
+    token_shape = chat.API.token_shape
+    parsed = []
+    observe = chat.API.observe
+    with mock.patch.object(chat.API, "token_shape", lambda *a: shapes.append(a[0].data)
+                           or token_shape(*a)):
+        first = ROLE + b"\n\n" + TOKEN % 1 + b"\n\n"
+        assert splicer.feed(first, 1) == first and ex.t_first_token == 1
+        assert shapes == [] and splicer.shape is None
+        if after_write:
+            assert splicer.learn_shape() is not None and shapes == [TOKEN[6:] % 1]
+        with mock.patch.object(chat.API, "observe", lambda ev, route: parsed.append(ev)
+                               or observe(ev, route)):
+            assert splicer.feed(TOKEN % 2 + b"\n\n", 2) == TOKEN % 2 + b"\n\n"
+    assert parsed == [] and ex.token_events == 2  # the shape fitted: not parsed
+    assert shapes == [TOKEN[6:] % 1]
+
+
 def test_a_token_whose_text_has_escapes_keeps_the_shape() -> None:
     """Engines' text often has quotes and newlines (escaped in JSON): those tokens fit the
     shape too (their text is still one JSON string), so only the first token is parsed; a
