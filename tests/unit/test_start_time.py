@@ -11,6 +11,7 @@ import pytest
 
 from gateway.admission.estimator import ReplicaEstimator
 from gateway.admission.fairness import FairQueue
+from gateway.admission.reserve import Demand, fair_shares, reserved_slots, slot_shares
 from gateway.admission.start_time import SlotPlan, Slots, minimal_ttft_s, remaining_s
 from gateway.errors import GatewayError
 from gateway.exchange import Exchange
@@ -121,4 +122,100 @@ async def test_a_target_below_the_idle_ttft_is_refused_as_unreachable() -> None:
         await ctrl.admit(ctx, FAMILY, BODY, None)
     message = str(e.value.args[0])
     assert e.value.status == 429 and "even when idle" in message and "ttft_ms" in message
+    await ctrl.close()
+
+
+# -- slots held for a class under its fair share (gateway/admission/reserve.py) ------------------
+
+def demands(now: float, **classes: tuple[float, float, float]) -> dict[str, Demand]:
+    """Each class: (arrival rate /s, weight, TTFT target s), as of `now`."""
+    return {c: Demand(now, w, ttft, rate) for c, (rate, w, ttft) in classes.items()}
+
+
+def test_fair_shares_give_a_light_class_what_it_asks_and_split_the_rest_by_weight() -> None:
+    assert fair_shares({"a": 1.0, "b": 10.0, "c": 10.0}, {"a": 1, "b": 1, "c": 3}, 9.0) == \
+        pytest.approx({"a": 1.0, "b": 2.0, "c": 6.0})
+    assert fair_shares({"a": 1.0, "b": 0.0}, {"a": 1, "b": 1}, 8.0) == {"a": 1.0, "b": 0.0}
+
+
+def test_a_loose_class_over_its_share_leaves_the_tight_class_its_deficit() -> None:
+    d = demands(10.0, tight=(4.0, 1.0, 0.3), loose=(4.0, 1.0, 3.0))
+    share = slot_shares(d, 8, 2.0, 10.0)  # each needs 8 slots: 4 each
+    assert share == pytest.approx({"tight": 4.0, "loose": 4.0})
+    in_flight = {"tight": 1, "loose": 5}
+    # the tight class's deficit, for two of its gaps between arrivals (0.25 s)
+    assert reserved_slots("loose", d, share, in_flight, 10.0) == (3, pytest.approx(0.5))
+    assert reserved_slots("tight", d, share, in_flight, 10.0)[0] == 0  # under its own share
+    # over its share, but nothing tighter is under its own: the loose class holds nothing
+    assert reserved_slots("tight", d, share, {"tight": 5, "loose": 1}, 10.0)[0] == 0
+
+
+def test_tenants_with_the_same_target_hold_slots_for_each_other() -> None:
+    d = demands(0.0, a=(9.0, 1.0, 0.28), b=(1.8, 1.0, 0.28))
+    share = slot_shares(d, 8, 2.2, 0.0)  # b needs 1.8 x 2.2 = 4 slots, a the rest
+    assert share["b"] == pytest.approx(3.96)
+    assert reserved_slots("a", d, share, {"a": 6, "b": 1}, 0.0)[0] == 3
+
+
+def test_a_class_that_asks_for_little_holds_little_and_nothing_once_its_demand_stops() -> None:
+    d = demands(0.0, tight=(0.2, 1.0, 0.3), loose=(10.0, 1.0, 3.0))
+    share = slot_shares(d, 8, 2.0, 0.0)  # the tight class needs 0.4 slots
+    assert reserved_slots("loose", d, share, {"loose": 7}, 0.0)[0] == 0
+    d = demands(0.0, tight=(4.0, 1.0, 0.3), loose=(4.0, 1.0, 3.0))
+    d["loose"].last_s = 5.0
+    later = slot_shares(d, 8, 2.0, 5.0)  # no tight arrival for 5 s
+    assert "tight" not in later
+    assert reserved_slots("loose", d, later, {"loose": 5}, 5.0)[0] == 0
+
+
+async def test_a_loose_waiter_leaves_the_last_free_slots_to_a_tight_class_under_its_share(
+        ) -> None:
+    """Five slots, three of them busy with loose streams; loose and tight requests both keep
+    arriving. The loose request waits (the two free slots are the tight class's deficit), and
+    the tight one that arrives next is admitted on one at once."""
+    clock = FakeClock()
+    ctrl = controller(clock, cap=5)
+    load = next(iter(ctrl.loads.values()))
+    load.holds, load.hold_s = 10, 2.0
+    for _ in range(3):
+        await ctrl.admit(request(clock, "loose", 0, 60), FAMILY, BODY, None, output_tokens=10)
+    for _ in range(4):  # the tight class's demand: arrivals it could not place (refused)
+        ctrl._demand.setdefault("tight", Demand(0.0, 1.0, 0.5)).arrive(clock() / 1e9, 1.0, 0.5)
+    loose = request(clock, "loose", 0, 60)
+    task = asyncio.create_task(ctrl.admit(loose, FAMILY, BODY, None, output_tokens=10))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert loose.admission == ("queued", "fair_wait") and load.in_flight == 3
+    tight = request(clock, "tight", 0, ttft_s=0.5)
+    ticket = await asyncio.wait_for(ctrl.admit(tight, FAMILY, BODY, None, output_tokens=10), 1)
+    assert ticket.slo_class == "tight" and load.by_class == {"loose": 3, "tight": 1}
+    assert not task.done()  # the last free slot is held again: the tight class's deficit
+    clock.advance(2.1)  # no tight arrival since: its demand stopped
+    await ctrl._drain()
+    await asyncio.wait_for(task, 1)
+    assert load.by_class == {"loose": 4, "tight": 1}
+    await ctrl.close()
+
+
+async def test_a_held_slot_nobody_takes_is_anyones_after_two_of_the_tight_gaps() -> None:
+    clock = FakeClock()
+    ctrl = controller(clock, cap=2)
+    load = next(iter(ctrl.loads.values()))
+    load.holds, load.hold_s = 10, 2.0
+    await ctrl.admit(request(clock, "loose", 0, 60), FAMILY, BODY, None, output_tokens=10)
+    tight = ctrl._demand.setdefault("tight", Demand(0.0, 1.0, 0.5))
+    for _ in range(10):  # 2 arrivals/s: gaps of 0.5 s
+        tight.arrive(clock() / 1e9, 1.0, 0.5)
+    loose = request(clock, "loose", 0, 60)
+    task = asyncio.create_task(ctrl.admit(loose, FAMILY, BODY, None, output_tokens=10))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert loose.admission == ("queued", "fair_wait")
+    clock.advance(0.5)
+    await ctrl._drain()
+    assert not task.done()
+    # held 1.4 s: over two gaps (the rate decays with no arrival: 2 x e^(-1.4/5) /s)
+    clock.advance(0.9)
+    await ctrl._drain()
+    await asyncio.wait_for(task, 1)
     await ctrl.close()
