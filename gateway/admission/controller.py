@@ -573,6 +573,7 @@ class AdmissionController:
                             self.shared is not None, model or (ctx.model or ""),
                             ctx.tenant_label, out_tokens, slo.name)
             self._held_since.pop(model, None)  # a slot was taken: a hold's bound starts anew
+            self._used(slo.name)
             if self.shared is not None and deferred is not None:
                 deferred.append((ticket, asyncio.ensure_future(
                     self.shared.try_acquire(load.replica.name, load.cap))))
@@ -640,6 +641,12 @@ class AdmissionController:
         now = self.clock() / 1e9
         return now - self._held_since.setdefault(model, now) < bound_s
 
+    def _used(self, cls: str) -> None:
+        """A request of `cls` took a slot, or was refused for want of one."""
+        demand = self._demand.get(cls)
+        if demand is not None:
+            demand.used_s = self.clock() / 1e9
+
     def _slot_shares(self, loads: list[ReplicaLoad]) -> tuple[dict[str, float], Counter[str]]:
         """Each class's fair share of these replicas' slots, and its slots in flight there.
         No shares until how long a slot is held is learned."""
@@ -703,6 +710,8 @@ class AdmissionController:
         if (self._best_case_s(loads, tokens + per_replica_ahead, tenant=tenant,
                               current=current) > budget
                 or (wait_s and point + wait_s > budget)):
+            if wait_s and point <= budget:
+                self._used(ctx.target.name)  # a slot in time would have made it
             self._reject(ctx, SHED_TTFT_INFEASIBLE, self._retry_after_s(loads, wait_s),
                          self._unreachable(ctx, loads, tokens))
         return point + wait_s

@@ -10,7 +10,9 @@ entitlement may not take a slot that would leave fewer free slots than the defic
 (entitlement less slots in flight) of the classes under theirs whose TTFT target is as tight
 as its own or tighter: those slots wait for them. The reservation ends when the class's
 demand stops (no arrival for `ACTIVE_S`), and it shrinks with the class's arrival rate, so a
-class that asks for little holds little; and free slots that no request took for two of its
+class that asks for little holds little; a class none of whose requests was admitted, or
+refused for want of a slot, for `ACTIVE_S` (they are refused for something a slot does not
+cure) holds none; and free slots that no request took for two of its
 mean gaps between arrivals (the class was refused for something else, or its demand paused)
 are anyone's again, so a reservation cannot idle the engine for long.
 
@@ -34,6 +36,9 @@ class Demand:
     weight: float
     ttft_s: float  # its TTFT target
     rate: float = 0.0  # arrivals per second, exponentially decayed, as of last_s
+    # its last request admitted, or refused because its turn at a slot came too late: slots
+    # held for it are of use (one refused with a slot free for it would not have used one)
+    used_s: float = -math.inf
 
     def arrive(self, now_s: float, weight: float, ttft_s: float) -> None:
         self.rate = self.rate_at(now_s) + 1.0 / RATE_TAU_S
@@ -69,7 +74,8 @@ def slot_shares(demands: Mapping[str, Demand], limit: int, hold_s: float,
     """Each class with demand: its weighted max-min fair share of `limit` slots, the slots it
     needs being its arrival rate x `hold_s` (how long a request holds its slot; Little's
     law)."""
-    active = {c: d for c, d in demands.items() if now_s - d.last_s < ACTIVE_S}
+    active = {c: d for c, d in demands.items()
+              if now_s - d.last_s < ACTIVE_S and now_s - d.used_s < ACTIVE_S}
     if hold_s <= 0.0:
         return {}
     return fair_shares({c: d.rate_at(now_s) * hold_s for c, d in active.items()},

@@ -129,7 +129,7 @@ async def test_a_target_below_the_idle_ttft_is_refused_as_unreachable() -> None:
 
 def demands(now: float, **classes: tuple[float, float, float]) -> dict[str, Demand]:
     """Each class: (arrival rate /s, weight, TTFT target s), as of `now`."""
-    return {c: Demand(now, w, ttft, rate) for c, (rate, w, ttft) in classes.items()}
+    return {c: Demand(now, w, ttft, rate, used_s=now) for c, (rate, w, ttft) in classes.items()}
 
 
 def test_fair_shares_give_a_light_class_what_it_asks_and_split_the_rest_by_weight() -> None:
@@ -157,6 +157,12 @@ def test_tenants_with_the_same_target_hold_slots_for_each_other() -> None:
     assert reserved_slots("a", d, share, {"a": 6, "b": 1}, 0.0)[0] == 3
 
 
+def test_a_class_refused_for_something_a_slot_does_not_cure_holds_none() -> None:
+    d = demands(10.0, tight=(4.0, 1.0, 0.3), loose=(4.0, 1.0, 3.0))
+    d["tight"].used_s = 7.0  # arrivals, but none admitted or short of a slot for 3 s
+    assert "tight" not in slot_shares(d, 8, 2.0, 10.0)
+
+
 def test_a_class_that_asks_for_little_holds_little_and_nothing_once_its_demand_stops() -> None:
     d = demands(0.0, tight=(0.2, 1.0, 0.3), loose=(10.0, 1.0, 3.0))
     share = slot_shares(d, 8, 2.0, 0.0)  # the tight class needs 0.4 slots
@@ -179,8 +185,10 @@ async def test_a_loose_waiter_leaves_the_last_free_slots_to_a_tight_class_under_
     load.holds, load.hold_s = 10, 2.0
     for _ in range(3):
         await ctrl.admit(request(clock, "loose", 0, 60), FAMILY, BODY, None, output_tokens=10)
-    for _ in range(4):  # the tight class's demand: arrivals it could not place (refused)
-        ctrl._demand.setdefault("tight", Demand(0.0, 1.0, 0.5)).arrive(clock() / 1e9, 1.0, 0.5)
+    tight_demand = ctrl._demand.setdefault("tight", Demand(0.0, 1.0, 0.5))
+    for _ in range(4):  # the tight class's demand: arrivals refused for want of a slot
+        tight_demand.arrive(clock() / 1e9, 1.0, 0.5)
+    tight_demand.used_s = clock() / 1e9
     loose = request(clock, "loose", 0, 60)
     task = asyncio.create_task(ctrl.admit(loose, FAMILY, BODY, None, output_tokens=10))
     for _ in range(20):
@@ -206,6 +214,7 @@ async def test_a_held_slot_nobody_takes_is_anyones_after_two_of_the_tight_gaps()
     tight = ctrl._demand.setdefault("tight", Demand(0.0, 1.0, 0.5))
     for _ in range(10):  # 2 arrivals/s: gaps of 0.5 s
         tight.arrive(clock() / 1e9, 1.0, 0.5)
+    tight.used_s = clock() / 1e9
     loose = request(clock, "loose", 0, 60)
     task = asyncio.create_task(ctrl.admit(loose, FAMILY, BODY, None, output_tokens=10))
     for _ in range(20):
