@@ -190,7 +190,7 @@ class Ticket:
                  "work_at_dispatch", "decoding_at_dispatch", "ahead_at_dispatch", "state",
                  "decoding_sum", "shared_slot", "model", "tenant", "reservation",
                  "in_flight_at_dispatch", "t_start", "out_tokens", "predicted_wait_s",
-                 "predicted_total_s", "slo_class")
+                 "predicted_total_s", "slo_class", "engine_queued")
 
     def __init__(self, ctrl: AdmissionController, load: ReplicaLoad, tokens: float,
                  body_bytes: int, tpot_target_s: float, predicted_ttft_s: float,
@@ -198,6 +198,7 @@ class Ticket:
                  out_tokens: float = DEFAULT_OUTPUT_TOKENS, slo_class: str = "") -> None:
         self.ctrl = ctrl
         self.slo_class = slo_class
+        self.engine_queued = False  # its first token came late: queued behind a full batch
         self.load = load
         self.model = model  # the model admission found a replica for (maybe a fallback)
         self.tenant = tenant
@@ -249,8 +250,11 @@ class Ticket:
                                  self.ahead_at_dispatch, ttft - est.provider_queue_s,
                                  self.tenant, now / 1e9):
                 own = est.ttft.theta[0] + est.ttft.theta[1] * self.tokens / 1000.0
-                load.adaptive.sample(ttft - est.provider_queue_s - own,
-                                     self.in_flight_at_dispatch)
+                # Queued in the engine behind a full batch: the limit comes down so that it
+                # does not recur, and the TTFT estimator must not learn it as the engine's
+                # speed (its spread would refuse tight classes long after).
+                self.engine_queued = load.adaptive.sample(ttft - est.provider_queue_s - own,
+                                                          self.in_flight_at_dispatch)
         self.ctrl.wake()
 
     def move(self, replica: Replica) -> None:
@@ -874,10 +878,10 @@ class AdmissionController:
                 if plan is None:
                     plan = plans[model] = self._plan(loads)
                 urgent = self._urgent(waiter)
-                if model not in blocked and self._held_back(ctx.target.name, model, loads):
+                if model not in blocked and not urgent and self._held_back(
+                        ctx.target.name, model, loads):
                     # it leaves the slot to a class under its share, and holds nobody back;
-                    # its own turn is judged on a later pass. Even near its deadline: its
-                    # class has its share of the slots, so holding it back starves nobody.
+                    # its own turn is judged on a later pass
                     continue
                 if model in blocked and not urgent:
                     ticket, why = None, "fair_wait"
@@ -971,9 +975,9 @@ class AdmissionController:
             actual = (ctx.t_first_token - ctx.t_sent) / 1e9
             tokens = ctx.prompt_tokens or ticket.tokens
             work = ticket.work_at_dispatch - ticket.tokens + tokens
-            stall = est.observe_ttft(work, ticket.decoding_at_dispatch,
-                                     ticket.ahead_at_dispatch, actual - est.provider_queue_s,
-                                     ticket.tenant, self.clock() / 1e9)
+            stall = None if ticket.engine_queued else est.observe_ttft(
+                work, ticket.decoding_at_dispatch, ticket.ahead_at_dispatch,
+                actual - est.provider_queue_s, ticket.tenant, self.clock() / 1e9)
             if stall is not None:
                 self.metrics.tenants.ttft_stall(ticket.tenant, stall)
             self.metrics.ttft_error.observe((ticket.replica.name, ctx.model_label),

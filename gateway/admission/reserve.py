@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 ACTIVE_S = 2.0  # a class that had an arrival this recently has demand
 RATE_TAU_S = 5.0  # the arrival rate's memory
+MAX_HELD = 2  # at most this many free slots wait: more, released together, prefill in a burst
 HOLD_GAPS = 2.0  # free slots wait this many of the held-for classes' gaps between arrivals
 
 
@@ -101,5 +102,5 @@ def reserved_slots(taker: str, demands: Mapping[str, Demand], share: Mapping[str
         if c != taker and demands[c].ttft_s <= own and s > in_flight.get(c, 0):
             deficit += s - in_flight.get(c, 0)
             rate += demands[c].rate_at(now_s)
-    slots = math.floor(deficit + 0.5)
+    slots = min(MAX_HELD, math.floor(deficit + 0.5))
     return slots, min(ACTIVE_S, HOLD_GAPS / rate) if slots and rate > 0 else 0.0
