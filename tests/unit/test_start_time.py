@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from gateway.admission.controller import AdmissionController, ReplicaLoad, Ticket
 from gateway.admission.estimator import ReplicaEstimator
 from gateway.admission.fairness import FairQueue
 from gateway.admission.reserve import Demand, fair_shares, reserved_slots, slot_shares
@@ -176,26 +177,36 @@ def test_a_class_that_asks_for_little_holds_little_and_nothing_once_its_demand_s
     assert reserved_slots("loose", d, later, {"loose": 5}, 5.0)[0] == 0
 
 
+async def loose_waiter_beside_tight_demand(
+        cap: int, loose_in_flight: int, tight_arrivals: int
+        ) -> tuple[FakeClock, AdmissionController, ReplicaLoad, Exchange, asyncio.Task[Ticket]]:
+    """`loose_in_flight` loose streams on `cap` slots (slot holds learned: 2 s), the tight
+    class's recent arrivals (refused for want of a slot), and one more loose request, queued."""
+    clock = FakeClock()
+    ctrl = controller(clock, cap=cap)
+    load = next(iter(ctrl.loads.values()))
+    load.holds, load.hold_s = 10, 2.0
+    for _ in range(loose_in_flight):
+        await ctrl.admit(request(clock, "loose", 0, 60), FAMILY, BODY, None, output_tokens=10)
+    tight = ctrl._demand.setdefault("tight", Demand(0.0, 1.0, 0.5))
+    for _ in range(tight_arrivals):
+        tight.arrive(clock() / 1e9, 1.0, 0.5)
+    tight.used_s = clock() / 1e9
+    loose = request(clock, "loose", 0, 60)
+    task = asyncio.create_task(ctrl.admit(loose, FAMILY, BODY, None, output_tokens=10))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert loose.admission == ("queued", "fair_wait")
+    return clock, ctrl, load, loose, task
+
+
 async def test_a_loose_waiter_leaves_the_last_free_slots_to_a_tight_class_under_its_share(
         ) -> None:
     """Five slots, three of them busy with loose streams; loose and tight requests both keep
     arriving. The loose request waits (the two free slots are the tight class's deficit), and
     the tight one that arrives next is admitted on one at once."""
-    clock = FakeClock()
-    ctrl = controller(clock, cap=5)
-    load = next(iter(ctrl.loads.values()))
-    load.holds, load.hold_s = 10, 2.0
-    for _ in range(3):
-        await ctrl.admit(request(clock, "loose", 0, 60), FAMILY, BODY, None, output_tokens=10)
-    tight_demand = ctrl._demand.setdefault("tight", Demand(0.0, 1.0, 0.5))
-    for _ in range(4):  # the tight class's demand: arrivals refused for want of a slot
-        tight_demand.arrive(clock() / 1e9, 1.0, 0.5)
-    tight_demand.used_s = clock() / 1e9
-    loose = request(clock, "loose", 0, 60)
-    task = asyncio.create_task(ctrl.admit(loose, FAMILY, BODY, None, output_tokens=10))
-    for _ in range(20):
-        await asyncio.sleep(0)
-    assert loose.admission == ("queued", "fair_wait") and load.in_flight == 3
+    clock, ctrl, load, loose, task = await loose_waiter_beside_tight_demand(5, 3, 4)
+    assert load.in_flight == 3
     tight = request(clock, "tight", 0, ttft_s=0.5)
     ticket = await asyncio.wait_for(ctrl.admit(tight, FAMILY, BODY, None, output_tokens=10), 1)
     assert ticket.slo_class == "tight" and load.by_class == {"loose": 3, "tight": 1}
@@ -208,20 +219,8 @@ async def test_a_loose_waiter_leaves_the_last_free_slots_to_a_tight_class_under_
 
 
 async def test_a_held_slot_nobody_takes_is_anyones_after_two_of_the_tight_gaps() -> None:
-    clock = FakeClock()
-    ctrl = controller(clock, cap=2)
-    load = next(iter(ctrl.loads.values()))
-    load.holds, load.hold_s = 10, 2.0
-    await ctrl.admit(request(clock, "loose", 0, 60), FAMILY, BODY, None, output_tokens=10)
-    tight = ctrl._demand.setdefault("tight", Demand(0.0, 1.0, 0.5))
-    for _ in range(10):  # 2 arrivals/s: gaps of 0.5 s
-        tight.arrive(clock() / 1e9, 1.0, 0.5)
-    tight.used_s = clock() / 1e9
-    loose = request(clock, "loose", 0, 60)
-    task = asyncio.create_task(ctrl.admit(loose, FAMILY, BODY, None, output_tokens=10))
-    for _ in range(20):
-        await asyncio.sleep(0)
-    assert loose.admission == ("queued", "fair_wait")
+    # 10 tight arrivals: 2 /s, gaps of 0.5 s
+    clock, ctrl, _, _, task = await loose_waiter_beside_tight_demand(2, 1, 10)
     clock.advance(0.5)
     await ctrl._drain()
     assert not task.done()
