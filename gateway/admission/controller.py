@@ -250,11 +250,15 @@ class Ticket:
                                  self.ahead_at_dispatch, ttft - est.provider_queue_s,
                                  self.tenant, now / 1e9):
                 own = est.ttft.theta[0] + est.ttft.theta[1] * self.tokens / 1000.0
-                # Queued in the engine behind a full batch: the limit comes down so that it
-                # does not recur, and the TTFT estimator must not learn it as the engine's
-                # speed (its spread would refuse tight classes long after).
-                self.engine_queued = load.adaptive.sample(ttft - est.provider_queue_s - own,
-                                                          self.in_flight_at_dispatch)
+                # Slow start overshooting the engine's batch: a first token queued behind the
+                # full batch brings the limit down so that it does not recur, and the TTFT
+                # estimator must not learn it as the engine's speed (its spread would refuse
+                # tight classes long after). Once the limit has come down, a slow first token
+                # is the engine's (it slowed), and teaches both.
+                slow_start = load.adaptive.cuts == 0 and self.in_flight_at_dispatch > 1
+                slow = load.adaptive.sample(ttft - est.provider_queue_s - own,
+                                            self.in_flight_at_dispatch)
+                self.engine_queued = slow and slow_start
         self.ctrl.wake()
 
     def move(self, replica: Replica) -> None:
