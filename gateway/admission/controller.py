@@ -632,7 +632,7 @@ class AdmissionController:
 
     def _held_back(self, cls: str, model: str, loads: list[ReplicaLoad]) -> bool:
         """Should a request of `cls` leave the model's free slots to classes with a TTFT
-        target no looser than its own that are under their fair share of the slots
+        target tighter than its own that are under their fair share of the slots
         (admission/reserve.py)? Never while `cls` is itself under its share, nor once the
         slots waited their bound with nobody admitted."""
         free = sum(max(0, load.limit() - load.in_flight) for load in loads
@@ -762,14 +762,14 @@ class AdmissionController:
         the prompt tokens of the waiters ahead that start beside it."""
         plan = self._plan(loads, arriving.tenant)
         # An arrival under its class's share of the slots: the waiters ahead of classes over
-        # theirs, with a TTFT target no tighter, leave the free slots to it.
+        # theirs, with a looser TTFT target, leave the free slots to it.
         cls, ttft_ms = arriving.ctx.target.name, arriving.ctx.target.ttft_ms
         share, in_flight = self._slot_shares(loads)
         reserved = under_share(cls, share, in_flight)
         for w in self.fair.order(arriving, weight, min_share):
             other = w.ctx.target
             if reserved and w is not arriving and other.name != cls \
-                    and other.ttft_ms >= ttft_ms and not under_share(other.name, share,
+                    and other.ttft_ms > ttft_ms and not under_share(other.name, share,
                                                                      in_flight):
                 continue
             if w is arriving:

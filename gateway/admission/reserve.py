@@ -7,8 +7,11 @@ could meet. Each class with demand is entitled to its weighted max-min fair shar
 model's slots (water-filling: a class whose arrival rate x slot hold time needs fewer slots
 gets what it needs, the rest is split by weight). A request of a class at or over its
 entitlement may not take a slot that would leave fewer free slots than the deficits
-(entitlement less slots in flight) of the classes under theirs whose TTFT target is as tight
-as its own or tighter: those slots wait for them. The reservation ends when the class's
+(entitlement less slots in flight) of the classes under theirs whose TTFT target is tighter
+than its own: those slots wait for them. Classes of the same target hold nothing for each
+other: whichever of them a slot serves meets the same target, and the fair order of the queue
+already gives the slot to the flow whose turn it is (a hold between them only idles slots
+until the over-share flow's waiters pass it near their deadline, in a burst). The reservation ends when the class's
 demand stops (no arrival for `ACTIVE_S`), and it shrinks with the class's arrival rate, so a
 class that asks for little holds little; a class none of whose requests was admitted, or
 refused for want of a slot, for `ACTIVE_S` (they are refused for something a slot does not
@@ -91,7 +94,7 @@ def under_share(cls: str, share: Mapping[str, float], in_flight: Mapping[str, in
 def reserved_slots(taker: str, demands: Mapping[str, Demand], share: Mapping[str, float],
                    in_flight: Mapping[str, int], now_s: float) -> tuple[int, float]:
     """Free slots a request of class `taker` must leave: the deficits of the classes under
-    their `share` whose TTFT target is no looser than the taker's (0 when the taker itself is
+    their `share` whose TTFT target is tighter than the taker's (0 when the taker itself is
     under its share), and how long those slots may wait for them: HOLD_GAPS of their mean
     gap between arrivals, at most ACTIVE_S. A slot held that long was not needed."""
     if under_share(taker, share, in_flight):
@@ -99,7 +102,7 @@ def reserved_slots(taker: str, demands: Mapping[str, Demand], share: Mapping[str
     own = demands[taker].ttft_s if taker in demands else math.inf
     deficit = rate = 0.0
     for c, s in share.items():
-        if c != taker and demands[c].ttft_s <= own and s > in_flight.get(c, 0):
+        if c != taker and demands[c].ttft_s < own and s > in_flight.get(c, 0):
             deficit += s - in_flight.get(c, 0)
             rate += demands[c].rate_at(now_s)
     slots = min(MAX_HELD, math.floor(deficit + 0.5))

@@ -152,12 +152,13 @@ def test_a_loose_class_over_its_share_leaves_the_tight_class_its_deficit() -> No
     assert reserved_slots("tight", d, share, {"tight": 5, "loose": 1}, 10.0)[0] == 0
 
 
-def test_tenants_with_the_same_target_hold_slots_for_each_other() -> None:
-    d = demands(0.0, a=(9.0, 1.0, 0.28), b=(1.8, 1.0, 0.28))
-    share = slot_shares(d, 8, 2.2, 0.0)  # b needs 1.8 x 2.2 = 4 slots, a the rest
-    assert share["b"] == pytest.approx(3.96)
-    assert reserved_slots("a", d, share, {"a": 6, "b": 1}, 0.0)[0] == 2
-    assert reserved_slots("a", d, share, {"a": 5, "b": 3}, 0.0)[0] == 1
+def test_tenants_with_the_same_target_hold_no_slots_for_each_other() -> None:
+    """Between classes of one target the queue's fair order decides who a slot serves."""
+    d = demands(0.0, a=(9.0, 1.0, 0.28), b=(1.8, 1.0, 0.28), tight=(1.8, 1.0, 0.14))
+    share = slot_shares(d, 8, 2.2, 0.0)  # a third of the slots each
+    assert share["b"] == pytest.approx(share["tight"]) == pytest.approx(8 / 3)
+    assert reserved_slots("a", d, share, {"a": 6, "tight": 1}, 0.0)[0] == 2  # tight's deficit
+    assert reserved_slots("a", d, share, {"a": 5, "tight": 3}, 0.0)[0] == 0  # b's: none
 
 
 def test_a_class_refused_for_something_a_slot_does_not_cure_holds_none() -> None:
