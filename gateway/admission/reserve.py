@@ -11,13 +11,13 @@ entitlement may not take a slot that would leave fewer free slots than the defic
 than its own: those slots wait for them. Classes of the same target hold nothing for each
 other: whichever of them a slot serves meets the same target, and the fair order of the queue
 already gives the slot to the flow whose turn it is (a hold between them only idles slots
-until the over-share flow's waiters pass it near their deadline, in a burst). The reservation ends when the class's
-demand stops (no arrival for `ACTIVE_S`), and it shrinks with the class's arrival rate, so a
-class that asks for little holds little; a class none of whose requests was admitted, or
-refused for want of a slot, for `ACTIVE_S` (they are refused for something a slot does not
-cure) holds none; and free slots that no request took for two of its
-mean gaps between arrivals (the class was refused for something else, or its demand paused)
-are anyone's again, so a reservation cannot idle the engine for long.
+until the over-share flow's waiters pass it near their deadline, in a burst).
+The reservation ends when the class's demand stops (no arrival for `ACTIVE_S`), and it
+shrinks with the class's arrival rate, so a class that asks for little holds little; a class
+none of whose requests was admitted, or refused for want of a slot, for `ACTIVE_S` (they are
+refused for something a slot does not cure) holds none; and free slots that no request took
+for two of its mean gaps between arrivals (the class was refused for something else, or its
+demand paused) are anyone's again, so a reservation cannot idle the engine for long.
 
 Pure: the controller passes the clock's time and the counts.
 """
