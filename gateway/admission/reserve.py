@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 ACTIVE_S = 2.0  # a class that had an arrival this recently has demand
 RATE_TAU_S = 5.0  # the arrival rate's memory
-MAX_HELD = 2  # at most this many free slots wait: more, released together, prefill in a burst
+MAX_HELD = 1  # at most this many free slots wait: each one idles the engine until taken
 HOLD_GAPS = 2.0  # free slots wait this many of the held-for classes' gaps between arrivals
 
 

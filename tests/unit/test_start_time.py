@@ -144,8 +144,8 @@ def test_a_loose_class_over_its_share_leaves_the_tight_class_its_deficit() -> No
     share = slot_shares(d, 8, 2.0, 10.0)  # each needs 8 slots: 4 each
     assert share == pytest.approx({"tight": 4.0, "loose": 4.0})
     in_flight = {"tight": 1, "loose": 5}
-    # the tight class's deficit (3), at most two, for two of its gaps between arrivals (0.25 s)
-    assert reserved_slots("loose", d, share, in_flight, 10.0) == (2, pytest.approx(0.5))
+    # the tight class's deficit (3), at most one, for two of its gaps between arrivals (0.25 s)
+    assert reserved_slots("loose", d, share, in_flight, 10.0) == (1, pytest.approx(0.5))
     assert reserved_slots("loose", d, share, {"tight": 3, "loose": 4}, 10.0)[0] == 1
     assert reserved_slots("tight", d, share, in_flight, 10.0)[0] == 0  # under its own share
     # over its share, but nothing tighter is under its own: the loose class holds nothing
@@ -157,7 +157,7 @@ def test_tenants_with_the_same_target_hold_no_slots_for_each_other() -> None:
     d = demands(0.0, a=(9.0, 1.0, 0.28), b=(1.8, 1.0, 0.28), tight=(1.8, 1.0, 0.14))
     share = slot_shares(d, 8, 2.2, 0.0)  # a third of the slots each
     assert share["b"] == pytest.approx(share["tight"]) == pytest.approx(8 / 3)
-    assert reserved_slots("a", d, share, {"a": 6, "tight": 1}, 0.0)[0] == 2  # tight's deficit
+    assert reserved_slots("a", d, share, {"a": 6, "tight": 1}, 0.0)[0] == 1  # tight's deficit
     assert reserved_slots("a", d, share, {"a": 5, "tight": 3}, 0.0)[0] == 0  # b's: none
 
 
@@ -201,21 +201,23 @@ async def loose_waiter_beside_tight_demand(
     return clock, ctrl, load, loose, task
 
 
-async def test_a_loose_waiter_leaves_the_last_free_slots_to_a_tight_class_under_its_share(
+async def test_a_loose_waiter_leaves_the_last_free_slot_to_a_tight_class_under_its_share(
         ) -> None:
-    """Five slots, three of them busy with loose streams; loose and tight requests both keep
-    arriving. The loose request waits (the two free slots are the tight class's deficit), and
-    the tight one that arrives next is admitted on one at once."""
-    clock, ctrl, load, loose, task = await loose_waiter_beside_tight_demand(5, 3, 4)
-    assert load.in_flight == 3
+    """Six slots, five of them busy with loose streams; loose and tight requests both keep
+    arriving. The loose request waits (the free slot is the tight class's deficit), and the
+    tight one that arrives next is admitted on it at once."""
+    clock, ctrl, load, loose, task = await loose_waiter_beside_tight_demand(6, 5, 8)
+    assert load.in_flight == 5
     tight = request(clock, "tight", 0, ttft_s=0.5)
     ticket = await asyncio.wait_for(ctrl.admit(tight, FAMILY, BODY, None, output_tokens=10), 1)
-    assert ticket.slo_class == "tight" and load.by_class == {"loose": 3, "tight": 1}
-    assert not task.done()  # the last free slot is held again: the tight class's deficit
+    assert ticket.slo_class == "tight" and load.by_class == {"loose": 5, "tight": 1}
+    next(t for t in load.tickets if t.slo_class == "loose").withdraw()  # a slot frees
+    await ctrl._drain()
+    assert not task.done()  # it is held again: the tight class is still under its share
     clock.advance(2.1)  # no tight arrival since: its demand stopped
     await ctrl._drain()
     await asyncio.wait_for(task, 1)
-    assert load.by_class == {"loose": 4, "tight": 1}
+    assert load.by_class == {"loose": 5, "tight": 1}
     await ctrl.close()
 
 
