@@ -104,6 +104,7 @@ from benchmarks.overhead import (  # noqa: E402
     run_json_process,
     wait_http,
 )
+from gateway.admission.reserve import fair_shares  # noqa: E402  (the gateway's own water-filling)
 
 DEFAULT_SIM_CMD = ("{python} -m gateway sim --host {host} --port {port} --max-batch {max_batch} "
                    "--decode-base-ms {decode_base_ms} --decode-per-seq-ms {decode_per_seq_ms} "
@@ -1181,27 +1182,6 @@ MATRIX_CELLS: dict[str, dict[str, Any]] = {
                         "tenants": True},
 }
 STARVE_WINDOW_S = 10.0
-
-
-def fair_shares(demand: Mapping[str, float], weight: Mapping[str, float],
-                capacity: float) -> dict[str, float]:
-    """Weighted max-min fair shares of `capacity` (water-filling): a flow asking less than its
-    weighted part gets what it asks, the rest is split by weight among the others."""
-    share = {c: 0.0 for c in demand}
-    active = {c for c, d in demand.items() if d > 0}
-    left = capacity
-    while active and left > 1e-9:
-        total_w = sum(weight[c] for c in active)
-        sated = {c for c in active if demand[c] - share[c] <= left * weight[c] / total_w}
-        if not sated:
-            for c in active:
-                share[c] += left * weight[c] / total_w
-            break
-        for c in sated:
-            left -= demand[c] - share[c]
-            share[c] = demand[c]
-        active -= sated
-    return share
 
 
 def met_by_window(run: dict[str, Any], warmup: float, window: float, slo: SloTargets,

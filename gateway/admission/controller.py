@@ -48,6 +48,7 @@ from gateway.admission.quotas import (
     TenantQuotas,
     charged_tokens,
 )
+from gateway.admission.reserve import Demand, reserved_slots, slot_shares, under_share
 from gateway.admission.shed_log import ShedLog
 from gateway.admission.start_time import SlotPlan, Slots, minimal_ttft_s, remaining_s
 from gateway.config import OPEN_POLICY, AdmissionConfig, TenantPolicy
@@ -68,9 +69,6 @@ ADMITTED, QUEUED, REJECTED = "admitted", "queued", "rejected"
 TIE_BAND = 0.05  # predictions within 5 % of the best are equally good: pick one at random
 PROBE_INTERVAL_S = 1.0
 MIN_HOLDS = 5  # requests ended on a replica before its slot releases are predicted
-HELD_SLOTS = 2  # at most this many free slots of a model are held for a tight class
-HOLD_SHARE = 0.75  # ... for at most this share of its TTFT target
-ACTIVE_S = 2.0  # a class that had an arrival this recently has demand
 URGENT = 0.25  # a waiter in the last quarter of its TTFT budget may pass more important ones
 
 
@@ -97,7 +95,7 @@ class ReplicaLoad:
 
     __slots__ = ("replica", "est", "prefill_tokens", "prefilling", "decoding", "tpot_targets",
                  "cap", "engine_waiting", "engine_running", "engine_kv_usage", "avg_tokens",
-                 "last_probe", "adaptive", "hold_s", "holds", "tickets")
+                 "last_probe", "adaptive", "hold_s", "holds", "tickets", "by_class")
 
     def __init__(self, replica: Replica, est: ReplicaEstimator, cap: int,
                  adaptive: AdaptiveLimit | None = None) -> None:
@@ -119,6 +117,7 @@ class ReplicaLoad:
         self.avg_tokens = 500.0  # EWMA of admitted prompt tokens (for engine-reported queues)
         self.last_probe = 0.0
         self.tickets: set[Ticket] = set()  # this gateway's requests holding a slot here
+        self.by_class: Counter[str] = Counter()  # ... by SLO class
 
     @property
     def in_flight(self) -> int:
@@ -191,13 +190,15 @@ class Ticket:
                  "work_at_dispatch", "decoding_at_dispatch", "ahead_at_dispatch", "state",
                  "decoding_sum", "shared_slot", "model", "tenant", "reservation",
                  "in_flight_at_dispatch", "t_start", "out_tokens", "predicted_wait_s",
-                 "predicted_total_s")
+                 "predicted_total_s", "slo_class", "engine_queued")
 
     def __init__(self, ctrl: AdmissionController, load: ReplicaLoad, tokens: float,
                  body_bytes: int, tpot_target_s: float, predicted_ttft_s: float,
                  shared_slot: bool, model: str = "", tenant: str = "other",
-                 out_tokens: float = DEFAULT_OUTPUT_TOKENS) -> None:
+                 out_tokens: float = DEFAULT_OUTPUT_TOKENS, slo_class: str = "") -> None:
         self.ctrl = ctrl
+        self.slo_class = slo_class
+        self.engine_queued = False  # its first token came late: queued behind a full batch
         self.load = load
         self.model = model  # the model admission found a replica for (maybe a fallback)
         self.tenant = tenant
@@ -220,6 +221,7 @@ class Ticket:
         self.predicted_total_s: float | None = None
         self.state = "prefill"
         load.tickets.add(self)
+        load.by_class[slo_class] += 1
         load.prefill_tokens += tokens
         load.prefilling += 1
         load.avg_tokens += 0.05 * (tokens - load.avg_tokens)
@@ -248,8 +250,15 @@ class Ticket:
                                  self.ahead_at_dispatch, ttft - est.provider_queue_s,
                                  self.tenant, now / 1e9):
                 own = est.ttft.theta[0] + est.ttft.theta[1] * self.tokens / 1000.0
-                load.adaptive.sample(ttft - est.provider_queue_s - own,
-                                     self.in_flight_at_dispatch)
+                # Slow start overshooting the engine's batch: a first token queued behind the
+                # full batch brings the limit down so that it does not recur, and the TTFT
+                # estimator must not learn it as the engine's speed (its spread would refuse
+                # tight classes long after). Once the limit has come down, a slow first token
+                # is the engine's (it slowed), and teaches both.
+                slow_start = load.adaptive.cuts == 0 and self.in_flight_at_dispatch > 1
+                slow = load.adaptive.sample(ttft - est.provider_queue_s - own,
+                                            self.in_flight_at_dispatch)
+                self.engine_queued = slow and slow_start
         self.ctrl.wake()
 
     def move(self, replica: Replica) -> None:
@@ -264,12 +273,17 @@ class Ticket:
         self.in_flight_at_dispatch = self.load.in_flight + 1
         self.state = "prefill"
         self.load.tickets.add(self)
+        self.load.by_class[self.slo_class] += 1
         self.load.prefill_tokens += self.tokens
         self.load.prefilling += 1
 
     def _release(self) -> None:
         load = self.load
-        load.tickets.discard(self)
+        if self in load.tickets:
+            load.tickets.discard(self)
+            load.by_class[self.slo_class] -= 1
+            if load.by_class[self.slo_class] <= 0:
+                del load.by_class[self.slo_class]
         if self.state == "prefill":
             load.prefill_tokens -= self.tokens
             load.prefilling -= 1
@@ -352,9 +366,8 @@ class AdmissionController:
         self.queued_tokens = 0.0
         self.calibration = TokenCalibration()
         self.mean_output = float(DEFAULT_OUTPUT_TOKENS)  # EWMA of completion tokens
-        # per SLO class: its last arrival (controller clock, s), weight and TTFT target (s)
-        self._arrivals: dict[str, tuple[float, float, float]] = {}
-        self._held_since: dict[str, float] = {}  # per model: since when a slot is held back
+        self._demand: dict[str, Demand] = {}  # per SLO class: its recent arrivals
+        self._held_since: dict[str, float] = {}  # per model: free slots held, nobody admitted
         self.quotas = TenantQuotas(shared, cfg.redis_share, clock=lambda: self.clock() / 1e9)
         self._seq = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
@@ -462,9 +475,12 @@ class AdmissionController:
                      out_tokens: float = DEFAULT_OUTPUT_TOKENS) -> Ticket:
         slo = ctx.target
         waited_s = (self.clock() - ctx.t_received) / 1e9
-        self._arrivals[slo.name] = (self.clock() / 1e9, policy.weight * slo.cls.weight,
-                                    slo.ttft_ms / 1e3)
-        if len(self.fair) or self._held_back(slo.name, slo.ttft_ms / 1e3, model, loads):
+        now_s = self.clock() / 1e9
+        demand = self._demand.get(slo.name)
+        if demand is None:
+            demand = self._demand[slo.name] = Demand(now_s, 0.0, 0.0)
+        demand.arrive(now_s, policy.weight * slo.cls.weight, slo.ttft_ms / 1e3)
+        if len(self.fair) or self._held_back(slo.name, model, loads):
             # Others are waiting: capacity that frees goes to the flow whose turn it is.
             ticket = None
             why_not = ("priority_wait" if self._higher_priority_waiting(slo.cls.priority)
@@ -563,7 +579,9 @@ class AdmissionController:
             # configured target, never the request's own.
             ticket = Ticket(self, load, tokens, body_bytes, slo.cls.tpot_ms / 1e3, pred,
                             self.shared is not None, model or (ctx.model or ""),
-                            ctx.tenant_label, out_tokens)
+                            ctx.tenant_label, out_tokens, slo.name)
+            self._held_since.pop(model, None)  # a slot was taken: a hold's bound starts anew
+            self._used(slo.name)
             if self.shared is not None and deferred is not None:
                 deferred.append((ticket, asyncio.ensure_future(
                     self.shared.try_acquire(load.replica.name, load.cap))))
@@ -601,7 +619,8 @@ class AdmissionController:
                 est = load.est
                 return Ticket(self, load, tokens, body_bytes, ctx.target.cls.tpot_ms / 1e3,
                               est.predict_ttft(tokens, 0.0, tenant=ctx.tenant_label), False,
-                              model or (ctx.model or ""), ctx.tenant_label)
+                              model or (ctx.model or ""), ctx.tenant_label,
+                              slo_class=ctx.target.name)
         return None
 
     def _urgent(self, waiter: Waiter) -> bool:
@@ -611,39 +630,43 @@ class AdmissionController:
         left_s = (waiter.deadline - self.clock()) / 1e9
         return bool(left_s < URGENT * slo.ttft_ms / 1e3)
 
-    def _held_back(self, cls: str, ttft_s: float, model: str,
-                   loads: list[ReplicaLoad]) -> bool:
-        """Should a request of `cls` leave the model's last free slots to a class with a
-        tighter TTFT target that is below its fair share of recent dispatches and has demand?
-        A tight class cannot wait for a slot to free, so without this a looser one that can
-        takes every slot and the tight one is refused for a TTFT the engine could meet. The
-        slots wait at most HOLD_SHARE of the tight class's TTFT target, then they are
-        anyone's."""
+    def _held_back(self, cls: str, model: str, loads: list[ReplicaLoad]) -> bool:
+        """Should a request of `cls` leave the model's free slots to classes with a TTFT
+        target tighter than its own that are under their fair share of the slots
+        (admission/reserve.py)? Never while `cls` is itself under its share, nor once the
+        slots waited their bound with nobody admitted."""
         free = sum(max(0, load.limit() - load.in_flight) for load in loads
                    if load.replica.available())
-        if not 0 < free <= HELD_SLOTS:
-            self._held_since.pop(model, None)
+        if free <= 0:
             return False
-        if self._under_share(cls):
+        share, in_flight = self._slot_shares(loads)
+        if not share:
             return False
-        hold = max((t * HOLD_SHARE for c, (_, _, t) in self._active().items()
-                    if c != cls and t < ttft_s and self._under_share(c)), default=0.0)
-        if hold <= 0.0:
+        reserved, bound_s = reserved_slots(cls, self._demand, share, in_flight,
+                                           self.clock() / 1e9)
+        if free > reserved:
             return False
         now = self.clock() / 1e9
-        since = self._held_since.setdefault(model, now)
-        return now - since < hold
+        return now - self._held_since.setdefault(model, now) < bound_s
 
-    def _active(self) -> dict[str, tuple[float, float, float]]:
-        now = self.clock() / 1e9
-        return {c: v for c, v in self._arrivals.items() if now - v[0] < ACTIVE_S}
+    def _used(self, cls: str) -> None:
+        """A request of `cls` took a slot, or was refused for want of one."""
+        demand = self._demand.get(cls)
+        if demand is not None:
+            demand.used_s = self.clock() / 1e9
 
-    def _under_share(self, cls: str) -> bool:
-        """Has `cls` demand and fewer of the recent dispatches than its weight's part?"""
-        active = self._active()
-        if cls not in active:
-            return False
-        return self.fair.share(cls) < active[cls][1] / sum(w for _, w, _ in active.values())
+    def _slot_shares(self, loads: list[ReplicaLoad]) -> tuple[dict[str, float], Counter[str]]:
+        """Each class's fair share of these replicas' slots, and its slots in flight there.
+        No shares until how long a slot is held is learned."""
+        avail = [load for load in loads if load.replica.available()]
+        in_flight: Counter[str] = Counter()
+        for load in avail:
+            in_flight.update(load.by_class)
+        learned = [load.hold_s for load in avail if load.holds >= MIN_HOLDS]
+        if not learned:
+            return {}, in_flight
+        return slot_shares(self._demand, sum(load.limit() for load in avail),
+                           sum(learned) / len(learned), self.clock() / 1e9), in_flight
 
     def _higher_priority_waiting(self, priority: int) -> bool:
         return self.fair.waiting_above(priority)
@@ -695,6 +718,8 @@ class AdmissionController:
         if (self._best_case_s(loads, tokens + per_replica_ahead, tenant=tenant,
                               current=current) > budget
                 or (wait_s and point + wait_s > budget)):
+            if wait_s and point <= budget:
+                self._used(ctx.target.name)  # a slot in time would have made it
             self._reject(ctx, SHED_TTFT_INFEASIBLE, self._retry_after_s(loads, wait_s),
                          self._unreachable(ctx, loads, tokens))
         return point + wait_s
@@ -736,11 +761,16 @@ class AdmissionController:
         """An arrival's predicted wait for a slot (s) where the fair order would place it, and
         the prompt tokens of the waiters ahead that start beside it."""
         plan = self._plan(loads, arriving.tenant)
+        # An arrival under its class's share of the slots: the waiters ahead of classes over
+        # theirs, with a looser TTFT target, leave the free slots to it.
         cls, ttft_ms = arriving.ctx.target.name, arriving.ctx.target.ttft_ms
-        # Looser waiters ahead leave the last free slots to a tight class under its share.
-        reserved = self._under_share(cls)
+        share, in_flight = self._slot_shares(loads)
+        reserved = under_share(cls, share, in_flight)
         for w in self.fair.order(arriving, weight, min_share):
-            if reserved and w is not arriving and w.ctx.target.ttft_ms > ttft_ms:
+            other = w.ctx.target
+            if reserved and w is not arriving and other.name != cls \
+                    and other.ttft_ms > ttft_ms and not under_share(other.name, share,
+                                                                     in_flight):
                 continue
             if w is arriving:
                 start = plan.take(w.out_tokens, w.tokens)
@@ -853,9 +883,9 @@ class AdmissionController:
                     plan = plans[model] = self._plan(loads)
                 urgent = self._urgent(waiter)
                 if model not in blocked and not urgent and self._held_back(
-                        ctx.target.name, ctx.target.ttft_ms / 1e3, model, loads):
-                    # it leaves the slot to a tighter class, and holds nobody back; its own
-                    # turn is judged on a later pass
+                        ctx.target.name, model, loads):
+                    # it leaves the slot to a class under its share, and holds nobody back;
+                    # its own turn is judged on a later pass
                     continue
                 if model in blocked and not urgent:
                     ticket, why = None, "fair_wait"
@@ -949,9 +979,9 @@ class AdmissionController:
             actual = (ctx.t_first_token - ctx.t_sent) / 1e9
             tokens = ctx.prompt_tokens or ticket.tokens
             work = ticket.work_at_dispatch - ticket.tokens + tokens
-            stall = est.observe_ttft(work, ticket.decoding_at_dispatch,
-                                     ticket.ahead_at_dispatch, actual - est.provider_queue_s,
-                                     ticket.tenant, self.clock() / 1e9)
+            stall = None if ticket.engine_queued else est.observe_ttft(
+                work, ticket.decoding_at_dispatch, ticket.ahead_at_dispatch,
+                actual - est.provider_queue_s, ticket.tenant, self.clock() / 1e9)
             if stall is not None:
                 self.metrics.tenants.ttft_stall(ticket.tenant, stall)
             self.metrics.ttft_error.observe((ticket.replica.name, ctx.model_label),

@@ -79,9 +79,9 @@ class AdaptiveLimit:
             self._base_age = 0
         return self._base
 
-    def sample(self, queueing_s: float, in_flight: int) -> None:
+    def sample(self, queueing_s: float, in_flight: int) -> bool:
         """One finished request's upstream TTFT beyond its own prefill, with `in_flight`
-        requests on the replica when it was sent."""
+        requests on the replica when it was sent. True: it was slow (queued in the engine)."""
         base = self.baseline()
         self.samples.append(max(0.0, queueing_s))
         self._base_age += 1
@@ -104,6 +104,7 @@ class AdaptiveLimit:
                 self.limit = max(float(self.min_limit), self.limit * BACKOFF)
                 self.cuts += 1
             self.round_n = self.round_slow = 0
+        return slow
 
     def engine_reports(self, max_running: float | None) -> None:
         """The engine's own batch size, when its metrics publish one."""

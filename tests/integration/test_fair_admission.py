@@ -63,7 +63,9 @@ async def test_a_tight_class_beside_a_loose_one_gets_its_part_of_the_goodput() -
         url = gw + "/v1/chat/completions"
         met: dict[str, list[float]] = {c: [] for c in CLASSES}
         rng = random.Random(22)
-        rate, warmup, window = 2 * 8.0, 3.0, 7.0  # each class offered the whole capacity
+        # each class offered the whole capacity; 9 s counted (~70 answers at capacity), so
+        # one unlucky second does not decide the ratio
+        rate, warmup, window = 2 * 8.0, 3.0, 9.0
         t_start = loop.time()
         tasks = []
         t = 0.0
@@ -75,6 +77,7 @@ async def test_a_tight_class_beside_a_loose_one_gets_its_part_of_the_goodput() -
     w0, w1 = t_start + warmup, t_start + warmup + window
     good = {c: sum(1 for x in met[c] if w0 <= x < w1) for c in CLASSES}
     # Equal weights: each class is owed half of what is served. Before admission placed
-    # arrivals by the fair order, the tight class got about a seventh of the loose one's
-    # (6 vs 43 here); now about half or more (18 vs 33).
+    # arrivals by the fair order, the tight class got about a seventh of the loose one's;
+    # placed by it, about half; with slots held for it while under its share, about 0.6
+    # (27-30 vs 47 here). 0.4 leaves room for a loaded host.
     assert good["interactive"] >= 0.4 * good["batch"] and good["batch"] > 0, good

@@ -9,8 +9,10 @@ import math
 
 import pytest
 
+from gateway.admission.controller import AdmissionController, ReplicaLoad, Ticket
 from gateway.admission.estimator import ReplicaEstimator
 from gateway.admission.fairness import FairQueue
+from gateway.admission.reserve import Demand, fair_shares, reserved_slots, slot_shares
 from gateway.admission.start_time import SlotPlan, Slots, minimal_ttft_s, remaining_s
 from gateway.errors import GatewayError
 from gateway.exchange import Exchange
@@ -121,4 +123,112 @@ async def test_a_target_below_the_idle_ttft_is_refused_as_unreachable() -> None:
         await ctrl.admit(ctx, FAMILY, BODY, None)
     message = str(e.value.args[0])
     assert e.value.status == 429 and "even when idle" in message and "ttft_ms" in message
+    await ctrl.close()
+
+
+# -- slots held for a class under its fair share (gateway/admission/reserve.py) ------------------
+
+def demands(now: float, **classes: tuple[float, float, float]) -> dict[str, Demand]:
+    """Each class: (arrival rate /s, weight, TTFT target s), as of `now`."""
+    return {c: Demand(now, w, ttft, rate, used_s=now) for c, (rate, w, ttft) in classes.items()}
+
+
+def test_fair_shares_give_a_light_class_what_it_asks_and_split_the_rest_by_weight() -> None:
+    assert fair_shares({"a": 1.0, "b": 10.0, "c": 10.0}, {"a": 1, "b": 1, "c": 3}, 9.0) == \
+        pytest.approx({"a": 1.0, "b": 2.0, "c": 6.0})
+    assert fair_shares({"a": 1.0, "b": 0.0}, {"a": 1, "b": 1}, 8.0) == {"a": 1.0, "b": 0.0}
+
+
+def test_a_loose_class_over_its_share_leaves_the_tight_class_its_deficit() -> None:
+    d = demands(10.0, tight=(4.0, 1.0, 0.3), loose=(4.0, 1.0, 3.0))
+    share = slot_shares(d, 8, 2.0, 10.0)  # each needs 8 slots: 4 each
+    assert share == pytest.approx({"tight": 4.0, "loose": 4.0})
+    in_flight = {"tight": 1, "loose": 5}
+    # the tight class's deficit (3), at most one, for two of its gaps between arrivals (0.25 s)
+    assert reserved_slots("loose", d, share, in_flight, 10.0) == (1, pytest.approx(0.5))
+    assert reserved_slots("loose", d, share, {"tight": 3, "loose": 4}, 10.0)[0] == 1
+    assert reserved_slots("tight", d, share, in_flight, 10.0)[0] == 0  # under its own share
+    # over its share, but nothing tighter is under its own: the loose class holds nothing
+    assert reserved_slots("tight", d, share, {"tight": 5, "loose": 1}, 10.0)[0] == 0
+
+
+def test_tenants_with_the_same_target_hold_no_slots_for_each_other() -> None:
+    """Between classes of one target the queue's fair order decides who a slot serves."""
+    d = demands(0.0, a=(9.0, 1.0, 0.28), b=(1.8, 1.0, 0.28), tight=(1.8, 1.0, 0.14))
+    share = slot_shares(d, 8, 2.2, 0.0)  # a third of the slots each
+    assert share["b"] == pytest.approx(share["tight"]) == pytest.approx(8 / 3)
+    assert reserved_slots("a", d, share, {"a": 6, "tight": 1}, 0.0)[0] == 1  # tight's deficit
+    assert reserved_slots("a", d, share, {"a": 5, "tight": 3}, 0.0)[0] == 0  # b's: none
+
+
+def test_a_class_refused_for_something_a_slot_does_not_cure_holds_none() -> None:
+    d = demands(10.0, tight=(4.0, 1.0, 0.3), loose=(4.0, 1.0, 3.0))
+    d["tight"].used_s = 7.0  # arrivals, but none admitted or short of a slot for 3 s
+    assert "tight" not in slot_shares(d, 8, 2.0, 10.0)
+
+
+def test_a_class_that_asks_for_little_holds_little_and_nothing_once_its_demand_stops() -> None:
+    d = demands(0.0, tight=(0.2, 1.0, 0.3), loose=(10.0, 1.0, 3.0))
+    share = slot_shares(d, 8, 2.0, 0.0)  # the tight class needs 0.4 slots
+    assert reserved_slots("loose", d, share, {"loose": 7}, 0.0)[0] == 0
+    d = demands(0.0, tight=(4.0, 1.0, 0.3), loose=(4.0, 1.0, 3.0))
+    d["loose"].last_s = 5.0
+    later = slot_shares(d, 8, 2.0, 5.0)  # no tight arrival for 5 s
+    assert "tight" not in later
+    assert reserved_slots("loose", d, later, {"loose": 5}, 5.0)[0] == 0
+
+
+async def loose_waiter_beside_tight_demand(
+        cap: int, loose_in_flight: int, tight_arrivals: int
+        ) -> tuple[FakeClock, AdmissionController, ReplicaLoad, Exchange, asyncio.Task[Ticket]]:
+    """`loose_in_flight` loose streams on `cap` slots (slot holds learned: 2 s), the tight
+    class's recent arrivals (refused for want of a slot), and one more loose request, queued."""
+    clock = FakeClock()
+    ctrl = controller(clock, cap=cap)
+    load = next(iter(ctrl.loads.values()))
+    load.holds, load.hold_s = 10, 2.0
+    for _ in range(loose_in_flight):
+        await ctrl.admit(request(clock, "loose", 0, 60), FAMILY, BODY, None, output_tokens=10)
+    tight = ctrl._demand.setdefault("tight", Demand(0.0, 1.0, 0.5))
+    for _ in range(tight_arrivals):
+        tight.arrive(clock() / 1e9, 1.0, 0.5)
+    tight.used_s = clock() / 1e9
+    loose = request(clock, "loose", 0, 60)
+    task = asyncio.create_task(ctrl.admit(loose, FAMILY, BODY, None, output_tokens=10))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert loose.admission == ("queued", "fair_wait")
+    return clock, ctrl, load, loose, task
+
+
+async def test_a_loose_waiter_leaves_the_last_free_slot_to_a_tight_class_under_its_share(
+        ) -> None:
+    """Six slots, five of them busy with loose streams; loose and tight requests both keep
+    arriving. The loose request waits (the free slot is the tight class's deficit), and the
+    tight one that arrives next is admitted on it at once."""
+    clock, ctrl, load, loose, task = await loose_waiter_beside_tight_demand(6, 5, 8)
+    assert load.in_flight == 5
+    tight = request(clock, "tight", 0, ttft_s=0.5)
+    ticket = await asyncio.wait_for(ctrl.admit(tight, FAMILY, BODY, None, output_tokens=10), 1)
+    assert ticket.slo_class == "tight" and load.by_class == {"loose": 5, "tight": 1}
+    next(t for t in load.tickets if t.slo_class == "loose").withdraw()  # a slot frees
+    await ctrl._drain()
+    assert not task.done()  # it is held again: the tight class is still under its share
+    clock.advance(2.1)  # no tight arrival since: its demand stopped
+    await ctrl._drain()
+    await asyncio.wait_for(task, 1)
+    assert load.by_class == {"loose": 5, "tight": 1}
+    await ctrl.close()
+
+
+async def test_a_held_slot_nobody_takes_is_anyones_after_two_of_the_tight_gaps() -> None:
+    # 10 tight arrivals: 2 /s, gaps of 0.5 s
+    clock, ctrl, _, _, task = await loose_waiter_beside_tight_demand(2, 1, 10)
+    clock.advance(0.5)
+    await ctrl._drain()
+    assert not task.done()
+    # held 1.4 s: over two gaps (the rate decays with no arrival: 2 x e^(-1.4/5) /s)
+    clock.advance(0.9)
+    await ctrl._drain()
+    await asyncio.wait_for(task, 1)
     await ctrl.close()

@@ -1,0 +1,109 @@
+"""Slots held for a class under its fair share of a model's slots.
+
+A class with a tight TTFT target cannot wait for a slot to free: a slot frees every
+hold / limit seconds, often longer than its budget. So without a reservation a looser class
+that can wait takes every slot that frees, and the tight one is refused for a TTFT the engine
+could meet. Each class with demand is entitled to its weighted max-min fair share of the
+model's slots (water-filling: a class whose arrival rate x slot hold time needs fewer slots
+gets what it needs, the rest is split by weight). A request of a class at or over its
+entitlement may not take a slot that would leave fewer free slots than the deficits
+(entitlement less slots in flight) of the classes under theirs whose TTFT target is tighter
+than its own: those slots wait for them. Classes of the same target hold nothing for each
+other: whichever of them a slot serves meets the same target, and the fair order of the queue
+already gives the slot to the flow whose turn it is (a hold between them only idles slots
+until the over-share flow's waiters pass it near their deadline, in a burst).
+The reservation ends when the class's demand stops (no arrival for `ACTIVE_S`), and it
+shrinks with the class's arrival rate, so a class that asks for little holds little; a class
+none of whose requests was admitted, or refused for want of a slot, for `ACTIVE_S` (they are
+refused for something a slot does not cure) holds none; and free slots that no request took
+for two of its mean gaps between arrivals (the class was refused for something else, or its
+demand paused) are anyone's again, so a reservation cannot idle the engine for long.
+
+Pure: the controller passes the clock's time and the counts.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+ACTIVE_S = 2.0  # a class that had an arrival this recently has demand
+RATE_TAU_S = 5.0  # the arrival rate's memory
+MAX_HELD = 1  # at most this many free slots wait: each one idles the engine until taken
+HOLD_GAPS = 2.0  # free slots wait this many of the held-for classes' gaps between arrivals
+
+
+@dataclass(slots=True)
+class Demand:
+    """One SLO class's recent arrivals."""
+    last_s: float  # its last arrival (controller clock, s)
+    weight: float
+    ttft_s: float  # its TTFT target
+    rate: float = 0.0  # arrivals per second, exponentially decayed, as of last_s
+    # its last request admitted, or refused because its turn at a slot came too late: slots
+    # held for it are of use (one refused with a slot free for it would not have used one)
+    used_s: float = -math.inf
+
+    def arrive(self, now_s: float, weight: float, ttft_s: float) -> None:
+        self.rate = self.rate_at(now_s) + 1.0 / RATE_TAU_S
+        self.last_s, self.weight, self.ttft_s = now_s, weight, ttft_s
+
+    def rate_at(self, now_s: float) -> float:
+        return self.rate * math.exp(-max(0.0, now_s - self.last_s) / RATE_TAU_S)
+
+
+def fair_shares(demand: Mapping[str, float], weight: Mapping[str, float],
+                capacity: float) -> dict[str, float]:
+    """Weighted max-min fair shares of `capacity` (water-filling): a class asking less than
+    its weighted part gets what it asks, the rest is split by weight among the others."""
+    share = {c: 0.0 for c in demand}
+    active = {c for c, d in demand.items() if d > 0}
+    left = capacity
+    while active and left > 1e-9:
+        total_w = sum(weight[c] for c in active)
+        sated = {c for c in active if demand[c] - share[c] <= left * weight[c] / total_w}
+        if not sated:
+            for c in active:
+                share[c] += left * weight[c] / total_w
+            break
+        for c in sated:
+            left -= demand[c] - share[c]
+            share[c] = demand[c]
+        active -= sated
+    return share
+
+
+def slot_shares(demands: Mapping[str, Demand], limit: int, hold_s: float,
+                now_s: float) -> dict[str, float]:
+    """Each class with demand: its weighted max-min fair share of `limit` slots, the slots it
+    needs being its arrival rate x `hold_s` (how long a request holds its slot; Little's
+    law)."""
+    active = {c: d for c, d in demands.items()
+              if now_s - d.last_s < ACTIVE_S and now_s - d.used_s < ACTIVE_S}
+    if hold_s <= 0.0:
+        return {}
+    return fair_shares({c: d.rate_at(now_s) * hold_s for c, d in active.items()},
+                       {c: d.weight for c, d in active.items()}, float(limit))
+
+
+def under_share(cls: str, share: Mapping[str, float], in_flight: Mapping[str, int]) -> bool:
+    """Does `cls` have demand and fewer slots in flight than its share (by half a slot)?"""
+    return cls in share and in_flight.get(cls, 0) < share[cls] - 0.5
+
+
+def reserved_slots(taker: str, demands: Mapping[str, Demand], share: Mapping[str, float],
+                   in_flight: Mapping[str, int], now_s: float) -> tuple[int, float]:
+    """Free slots a request of class `taker` must leave: the deficits of the classes under
+    their `share` whose TTFT target is tighter than the taker's (0 when the taker itself is
+    under its share), and how long those slots may wait for them: HOLD_GAPS of their mean
+    gap between arrivals, at most ACTIVE_S. A slot held that long was not needed."""
+    if under_share(taker, share, in_flight):
+        return 0, 0.0
+    own = demands[taker].ttft_s if taker in demands else math.inf
+    deficit = rate = 0.0
+    for c, s in share.items():
+        if c != taker and demands[c].ttft_s < own and s > in_flight.get(c, 0):
+            deficit += s - in_flight.get(c, 0)
+            rate += demands[c].rate_at(now_s)
+    slots = min(MAX_HELD, math.floor(deficit + 0.5))
+    return slots, min(ACTIVE_S, HOLD_GAPS / rate) if slots and rate > 0 else 0.0
