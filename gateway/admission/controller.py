@@ -450,7 +450,7 @@ class AdmissionController:
         model, loads = self._loads_for(ctx, family, models)
         tenant = ctx.tenant_label
         policy: TenantPolicy = ctx.policy or OPEN_POLICY
-        tokens = body_bytes * self.calibration.ratio(tenant)
+        tokens = ctx.estimated_tokens = body_bytes * self.calibration.ratio(tenant)
         try:
             res = await self.quotas.reserve(
                 tenant, policy, tokens + (output_tokens or DEFAULT_OUTPUT_TOKENS))
@@ -805,8 +805,6 @@ class AdmissionController:
 
     def _decided(self, ctx: Exchange, decision: str, reason: str) -> None:
         ctx.admission = (decision, reason)
-        if ctx.estimated_tokens is None:  # for the decision log: admit()'s estimate
-            ctx.estimated_tokens = len(ctx.body) * self.calibration.ratio(ctx.tenant_label)
         if decision == ADMITTED:
             self.shed_log.admitted()
         self.metrics.child(self.metrics.admission, (ctx.model_label, ctx.route, ctx.target.name,

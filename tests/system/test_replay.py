@@ -16,6 +16,7 @@ from pathlib import Path
 
 from gateway.ops import loadgen, replay
 from tests.support.procs import sim_and_gateway
+from tests.support.waiting import wait_until
 
 SIM_ARGS = ("--max-batch", "8", "--prefill-tokens-per-s", "20000", "--decode-base-ms", "8")
 CONFIG = """
@@ -54,9 +55,13 @@ async def test_replay_reproduces_recorded_goodput() -> None:
         sent = await loadgen.send_open(f"{gw.url}/v1/chat/completions", plan,
                                        {"team-a": "key-a"})
         assert all(s.status == 200 for s in sent), [s.status for s in sent]
-        await asyncio.sleep(0.3)  # the last access-log lines reach the file
+        # every request's access-log line has reached the file
         trace = Path(tempfile.mkstemp(suffix=".jsonl")[1])
-        trace.write_text(gw.log_text())
+
+        def logged() -> bool:
+            trace.write_text(gw.log_text())
+            return len(replay.load_trace(str(trace))[1]) >= len(plan)
+        await wait_until(logged, what="the access log's lines")
     _, recorded = replay.load_trace(str(trace))
     want = replay.summarize(recorded)
     assert len(recorded) == len(plan)
