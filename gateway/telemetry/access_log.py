@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from gateway.edge.ingress import max_output_tokens
 from gateway.errors import OK
 from gateway.telemetry import durations
 from gateway.telemetry.attribution import TTFTSplit, cache_bucket, prompt_bucket
@@ -39,7 +40,13 @@ def write(ex: Exchange, split: TTFTSplit | None) -> None:
         log.info(text_line(ex) if _text else orjson.dumps(record(ex, split)).decode())
 
 
-def _short(value: str | None, n: int) -> str:
+def arrival_wall_s(ex: Exchange, wall_now: float | None = None) -> float:
+    """When the request arrived, in Unix seconds (`wall_now`: the wall clock now)."""
+    wall = time.time() if wall_now is None else wall_now
+    return wall - (now_ns() - ex.t_received) / 1e9
+
+
+def sanitised(value: str | None, n: int) -> str:
     """A field of the text line: printable (a client's model name must not reach a terminal
     as control characters), at most n characters."""
     if not value:
@@ -60,9 +67,10 @@ def text_line(ex: Exchange, now: float | None = None) -> str:
     if ex.outcome == OK or not ex.error_type or ex.error_type.isdigit():  # digits: the status
         result = ex.outcome or "unknown"
     else:
-        result = _short(ex.error_type, _REASON_CHARS)
+        result = sanitised(ex.error_type, _REASON_CHARS)
     parts = [time.strftime("%H:%M:%S", time.localtime(now)), str(ex.status or "-"), result,
-             ex.route, f"{_short(ex.model, _MODEL_CHARS)}@{_short(ex.backend, _BACKEND_CHARS)}"]
+             ex.route,
+             f"{sanitised(ex.model, _MODEL_CHARS)}@{sanitised(ex.backend, _BACKEND_CHARS)}"]
     parts += [f"{name}={_ms(ms[name])}" for name in ("ttft", "e2e") if name in ms]
     if ex.prompt_tokens is not None or ex.completion_tokens is not None:
         parts.append(f"{_count(ex.prompt_tokens)}+{_count(ex.completion_tokens)} tok")
@@ -97,7 +105,7 @@ def record(ex: Exchange, split: TTFTSplit | None) -> dict[str, Any]:
     `slogate replay` schedules by); `body_bytes` and `max_tokens` let a replay rebuild a
     request that never reached an engine (no usage counted)."""
     rec: dict[str, Any] = {
-        "t": round(time.time() - (now_ns() - ex.t_received) / 1e9, 6),
+        "t": round(arrival_wall_s(ex), 6),
         "request_id": ex.request_id,
         "route": ex.route,
         "model": ex.model,
@@ -142,11 +150,9 @@ def record(ex: Exchange, split: TTFTSplit | None) -> dict[str, Any]:
     rec["prompt_tokens"] = ex.prompt_tokens
     rec["completion_tokens"] = ex.completion_tokens
     rec["body_bytes"] = len(ex.body)
-    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
-        limit = ex.parsed.get(name)
-        if isinstance(limit, int) and not isinstance(limit, bool):
-            rec["max_tokens"] = limit
-            break
+    limit = max_output_tokens(ex.parsed)
+    if limit is not None:
+        rec["max_tokens"] = limit
     if ex.admission is not None:
         rec["admission"] = {"decision": ex.admission[0], "reason": ex.admission[1]}
     rec["usage_source"] = ex.usage_source

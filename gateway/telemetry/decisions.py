@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,8 +29,7 @@ import orjson
 
 from gateway.edge.ingress import max_output_tokens
 from gateway.telemetry import durations
-from gateway.telemetry.access_log import _short as sanitised
-from gateway.timeline import now_ns
+from gateway.telemetry.access_log import arrival_wall_s, sanitised
 
 if TYPE_CHECKING:
     from gateway.config import RecorderConfig
@@ -55,7 +53,6 @@ def _ms(ns: int | None) -> float | None:
 def decision_record(ex: Exchange, split: TTFTSplit | None,
                     wall_now: float | None = None) -> dict[str, Any]:
     """The record of one finished request (the schema `slogate replay` reads)."""
-    wall = time.time() if wall_now is None else wall_now
     decision, reason = ex.admission if ex.admission is not None else (None, None)
     cands = [{"replica": name, "predicted_ttft_ms": None if pred is None else round(pred * 1e3, 1),
               "in_flight": in_flight, "limit": limit, "why": why}
@@ -70,7 +67,7 @@ def decision_record(ex: Exchange, split: TTFTSplit | None,
     wait_s = ex.predicted_wait_s
     slo = ex.slo
     rec: dict[str, Any] = {
-        "t": round(wall - (now_ns() - ex.t_received) / 1e9, 3),
+        "t": round(arrival_wall_s(ex, wall_now), 3),
         "request_id": ex.request_id,
         "tenant": ex.tenant_label,
         "slo_class": slo.name if slo is not None else None,
