@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 
 from gateway.errors import ConfigError
-from gateway.ops import loadgen, replay
+from gateway.ops import demo, loadgen, replay
 
 FEASIBLE = 0.9  # a class's targets hold at a load when this share of its requests met them
 PROMPT, OUTPUT = (150, 250), (32, 160)  # the default mix: uniform prompt and output tokens
@@ -42,11 +42,10 @@ async def _sim_knobs(sim_args: Sequence[str]) -> dict[str, Any]:
     """Start a simulator with these arguments just long enough to read its GET /sim/config."""
     with tempfile.TemporaryDirectory(prefix="slogate-bench-") as tmp:
         stack = replay.Stack(Path(tmp))
-        port = replay.free_port()
+        port = demo.free_port()
         try:
             p = stack.start(["sim", "--port", str(port), *sim_args], "sim")
             url = f"http://127.0.0.1:{port}"
-            from gateway.ops import demo
 
             await demo.wait_ready(f"{url}/health", p.poll)
             with urllib.request.urlopen(f"{url}/sim/config", timeout=5) as r:

@@ -30,13 +30,16 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _pick_port(preferred: int) -> int:
-    if _port_free(preferred):
-        return preferred
+def free_port() -> int:
+    """A loopback port nothing listens on now (the kernel's pick)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def _pick_port(preferred: int) -> int:
+    return preferred if _port_free(preferred) else free_port()
 
 
 async def wait_ready(url: str, exited: Callable[[], int | None], timeout: float = 30.0) -> None:

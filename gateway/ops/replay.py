@@ -12,7 +12,6 @@ import hashlib
 import os
 import secrets
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -220,13 +219,6 @@ def child_env(raw: Mapping[str, Any]) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in forced}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 # -- one run -----------------------------------------------------------------------------------
 
 class Stack:
@@ -275,11 +267,11 @@ async def run_variant(raw: Mapping[str, Any], variant: Variant, plan: Sequence[l
                 if engine:
                     engines[name] = engine
                     continue
-                port = free_port()
+                port = demo.free_port()
                 p = stack.start(["sim", "--port", str(port), *sim_args], f"sim-{name}")
                 await demo.wait_ready(f"http://127.0.0.1:{port}/health", p.poll)
                 engines[name] = f"http://127.0.0.1:{port}/v1"
-        port = free_port()
+        port = demo.free_port()
         cfg, keys = gateway_config(raw, port, engines, variant.settings)
         path = tmp / f"gateway-{variant.name}.toml"
         path.write_text(check.to_toml(cfg))
