@@ -57,6 +57,10 @@ mode = "open"
 requests_per_minute = 1000000
 [server]
 access_log = false
+# The load's scripted failures (error events, cuts, 503s) must not open the breaker: with it
+# open the rest of the load gets 503s and the latency panels get no data.
+[breaker]
+failures = 1000
 [slo]
 default = "batch"
 # Admission on, with a small per-replica cap so that requests queue (and interactive ones may
