@@ -145,9 +145,36 @@ class ReplicaLoad:
                                      self.requests_ahead() + 1)
         return LoadView(round(ttft * 1e3, 1), self.engine_waiting, self.cap)
 
+    def _releases(self, now_ns: int, tpot_s: float) -> list[float]:
+        """Seconds until each stream in flight here frees its slot, soonest first."""
+        return sorted(remaining_s((now_ns - t.t_start) / 1e9, t.predicted_ttft_s,
+                                  t.out_tokens, tpot_s) for t in self.tickets)
+
+    def unproven(self) -> int:
+        """Free slots above the level the engine has served unqueued (admission/limits.py):
+        a request sent into one waits in the engine until a running stream ends."""
+        adaptive = self.adaptive
+        if adaptive is None or not adaptive.cuts:
+            return 0
+        free = max(0, self.limit() - self.in_flight)
+        proven = max(0, max(adaptive.proven, adaptive.min_limit) - self.in_flight)
+        return max(0, free - proven)
+
+    def probe_wait_s(self, now_ns: int) -> float:
+        """A request sent now: how long it waits in the engine's queue, predicted (0 unless
+        its dispatch is a probe above the proven level; then until the first stream here
+        ends)."""
+        adaptive = self.adaptive
+        if adaptive is None or not self.tickets or not adaptive.probe(self.in_flight + 1) \
+                or self.holds < MIN_HOLDS:
+            return 0.0
+        tpot = self.est.predict_tpot(max(1.0, float(self.limit())))
+        return self._releases(now_ns, tpot)[0]
+
     def slots(self, now_ns: int) -> Slots:
         """Its slots for the start-time prediction: those free now, and when each busy one
-        frees (its stream's predicted remaining decode, at the TPOT of a full batch)."""
+        frees (its stream's predicted remaining decode, at the TPOT of a full batch). A free
+        slot above the proven level frees, in the engine, when the first stream ends."""
         limit = self.limit()
         free = max(0, limit - self.in_flight)
         if self.holds < MIN_HOLDS:
@@ -155,12 +182,14 @@ class ReplicaLoad:
             # must not refuse anyone. Until then every slot counts as freeing at once.
             return Slots(free, [0.0] * min(limit, self.in_flight), 0.0, 0.0)
         tpot = self.est.predict_tpot(max(1.0, float(limit)))
-        releases = sorted(remaining_s((now_ns - t.t_start) / 1e9, t.predicted_ttft_s,
-                                      t.out_tokens, tpot) for t in self.tickets)
+        releases = self._releases(now_ns, tpot)
         # Above a lowered limit, the first streams to end free no slot.
         releases = releases[max(0, len(releases) - limit):]
+        probes = self.unproven() if releases else 0
+        if probes:
+            releases = [releases[0]] * probes + releases
         first = self.est.predict_ttft(self.avg_tokens, self.decoding_now(), 0.0)
-        return Slots(free, releases, first, tpot)
+        return Slots(free - probes, releases, first, tpot)
 
     def min_tpot_target_s(self) -> float:
         return min(self.tpot_targets) if self.tpot_targets else math.inf
@@ -190,7 +219,7 @@ class Ticket:
                  "work_at_dispatch", "decoding_at_dispatch", "ahead_at_dispatch", "state",
                  "decoding_sum", "shared_slot", "model", "tenant", "reservation",
                  "in_flight_at_dispatch", "t_start", "out_tokens", "predicted_wait_s",
-                 "predicted_total_s", "slo_class", "engine_queued")
+                 "predicted_total_s", "slo_class", "engine_queued", "probe", "slow_start")
 
     def __init__(self, ctrl: AdmissionController, load: ReplicaLoad, tokens: float,
                  body_bytes: int, tpot_target_s: float, predicted_ttft_s: float,
@@ -212,6 +241,9 @@ class Ticket:
         self.decoding_at_dispatch = load.decoding_now()
         self.ahead_at_dispatch = load.requests_ahead()
         self.in_flight_at_dispatch = load.in_flight + 1
+        # sent above the level the engine served unqueued: its queueing there is the probe's
+        self.probe = load.adaptive is not None and load.adaptive.probe(load.in_flight + 1)
+        self.slow_start = load.adaptive is not None and not load.adaptive.cuts
         self.t_start = ctrl.clock()
         self.decoding_sum: float | None = None  # streams decoding when its first token came
         self.out_tokens = out_tokens  # its output length as known or expected
@@ -229,6 +261,18 @@ class Ticket:
     @property
     def replica(self) -> Replica:
         return self.load.replica
+
+    def overshot(self) -> bool:
+        """Was it sent in slow start above the level the limit then came down to, a level the
+        engine has since served unqueued? Its first token may have waited in the engine's
+        queue even where that wait was too short to be judged slow: the TTFT estimator must
+        not learn it as the engine's speed. (When the levels below are slow too, the engine
+        itself slowed: then it teaches.)"""
+        adaptive = self.load.adaptive
+        if adaptive is None or not self.slow_start or not adaptive.cuts:
+            return False
+        level = adaptive.value
+        return self.in_flight_at_dispatch > level and adaptive.proven >= level
 
     def first_token(self) -> None:
         if self.state != "prefill":
@@ -250,15 +294,16 @@ class Ticket:
                                  self.ahead_at_dispatch, ttft - est.provider_queue_s,
                                  self.tenant, now / 1e9):
                 own = est.ttft.theta[0] + est.ttft.theta[1] * self.tokens / 1000.0
-                # Slow start overshooting the engine's batch: a first token queued behind the
-                # full batch brings the limit down so that it does not recur, and the TTFT
+                # Slow start, or a probe above the level the engine served unqueued,
+                # overshooting the engine's batch: a first token queued behind the full
+                # batch brings the limit down so that it does not recur, and the TTFT
                 # estimator must not learn it as the engine's speed (its spread would refuse
-                # tight classes long after). Once the limit has come down, a slow first token
-                # is the engine's (it slowed), and teaches both.
+                # tight classes long after). A slow first token at a proven level is the
+                # engine's (it slowed), and teaches both.
                 slow_start = load.adaptive.cuts == 0 and self.in_flight_at_dispatch > 1
                 slow = load.adaptive.sample(ttft - est.provider_queue_s - own,
                                             self.in_flight_at_dispatch)
-                self.engine_queued = slow and slow_start
+                self.engine_queued = slow and (slow_start or self.probe)
         self.ctrl.wake()
 
     def move(self, replica: Replica) -> None:
@@ -561,6 +606,7 @@ class AdmissionController:
             est = load.est
             pred_ttft = est.predict_ttft(self._ahead(load) + tokens, load.decoding_now(),
                                          load.requests_ahead(), ctx.tenant_label)
+            pred_ttft += load.probe_wait_s(self.clock())
             if pred_ttft + self.cfg.safety * est.ttft_spread_s(ctx.tenant_label) > ttft_budget:
                 why = "ttft_wait"
                 ctx.considered(load.replica.name, pred_ttft, load.in_flight, load.limit(), why)
@@ -977,7 +1023,7 @@ class AdmissionController:
             actual = (ctx.t_first_token - ctx.t_sent) / 1e9
             tokens = ctx.prompt_tokens or ticket.tokens
             work = ticket.work_at_dispatch - ticket.tokens + tokens
-            stall = None if ticket.engine_queued else est.observe_ttft(
+            stall = None if ticket.engine_queued or ticket.overshot() else est.observe_ttft(
                 work, ticket.decoding_at_dispatch, ticket.ahead_at_dispatch,
                 actual - est.provider_queue_s, ticket.tenant, self.clock() / 1e9)
             if stall is not None:

@@ -104,6 +104,7 @@ class RLS:
     something else (the usual failure when features are correlated)."""
 
     P_MAX = 1000.0
+    WARM = WARM_N  # observations before its residuals measure the engine, not the priors
 
     def __init__(self, theta: Sequence[float], lam: float, p0: float = 100.0,
                  nonneg: Sequence[int] = ()) -> None:
@@ -143,8 +144,13 @@ class RLS:
         if trace > self.P_MAX * n:
             f = self.P_MAX * n / trace
             self.P = [[v * f for v in row] for row in self.P]
-        w = 1.0 - self.lam if self.n > 10 else 1.0 / (self.n + 1)
-        self.err_var = (1 - w) * self.err_var + w * err * err
+        # The residual deviation counts from the WARM-th observation: before, the errors are
+        # the priors' (an unknown engine), and a stated error made of them would refuse
+        # requests the engine serves in time.
+        if self.n >= self.WARM:
+            seen = self.n - self.WARM
+            w = 1.0 - self.lam if seen > 10 else 1.0 / (seen + 1)
+            self.err_var = (1 - w) * self.err_var + w * err * err
         self.n += 1
 
     @property
@@ -222,12 +228,14 @@ class TtftJudge:
         self.teacher: str | None = None
         self.taught: list[Residual] = []  # that tenant's residuals the fit learned
 
-    def record(self, tenant: str, value: float) -> Residual:
-        window = self.residuals.get(tenant)
-        if window is None:
-            window = self.residuals[tenant] = deque(maxlen=RESID_WINDOW)
+    def record(self, tenant: str, value: float, keep: bool = True) -> Residual:
+        """A residual of `tenant`'s; kept in its window (its spread and bias) with `keep`."""
         residual = Residual(value)
-        window.append(residual)
+        if keep:
+            window = self.residuals.get(tenant)
+            if window is None:
+                window = self.residuals[tenant] = deque(maxlen=RESID_WINDOW)
+            window.append(residual)
         return residual
 
     def refresh(self, tenant: str) -> None:
@@ -328,7 +336,10 @@ class ReplicaEstimator:
         x = self._ttft_x(work_tokens, decoding, ahead)
         fit = self._fit_for(tenant)
         pred = self._point(fit, x)
-        residual = judge.record(tenant, seconds - pred)
+        # A fit with fewer than WARM_N observations is still its priors: its residuals say
+        # how little it knows, not how much the engine varies (kept, a few of them would pad
+        # every request for a whole window, and refuse tight classes the engine could serve).
+        residual = judge.record(tenant, seconds - pred, keep=fit.n >= WARM_N)
         alone = not judge.others_seen(tenant, now)
         judge.last_seen[tenant] = now
         judge.expire(now)

@@ -13,19 +13,29 @@ order of magnitude. That jump is the signal, as in Envoy's adaptive_concurrency 
   the end, so the limit hears about engine queueing one TTFT later, not one whole answer later;
 - the baseline is the 10th percentile of the last WINDOW samples (the unqueued ones: it does
   not drift up while a surplus queues); a sample is *slow* when it exceeds both `tolerance` x
-  the median and baseline + `floor_s` (prefill interleaving and jitter are not queueing; a
-  request parked behind a full batch waits for a running one to finish: seconds);
+  the lower quartile and baseline + `floor_s` (prefill interleaving and jitter are not
+  queueing; a request parked behind a full batch waits for a running one to finish). The
+  quartile, not the median: slow start overshooting a batch of 8 by 4 queues a third of the
+  first samples, which would lift a median to their level and pass them all as normal;
 - a slow sample sent with N requests on the replica brings the limit down to N - 1 at once
   (the engine queued it: its batch is below N);
 - samples are judged in rounds of `limit` samples (one round trip's worth). Multiplicative
   decrease: x BACKOFF after a round where more than SLOW_SHARE of the samples were slow (a
-  surplus parked in the engine; a rare outlier is not one), never below `min_limit`. Increase,
+  surplus parked in the engine; a rare outlier is not one; a probe's, below, does not count:
+  coming down one step answered it), never below `min_limit`. Increase,
   only while the limit binds (at least 80 % of it in use: an idle replica teaches nothing about
   its capacity) and while the round has seen no slow sample: +1 per sample until the first
   decrease (slow start, as TCP), then +1 every two rounds (probing slowly above a limit that
   has once been too high keeps the engine's queue short);
 - `max_limit` (`[admission] max_concurrency`, or the backend's own) is the upper bound; an
   engine that publishes its batch size (`max_num_seqs`) through scraped metrics caps it too.
+
+Once the limit has come down, it knows a level the engine serves without queueing: `proven`,
+the most requests in flight at a dispatch whose sample was not slow since the last slow one.
+A dispatch above it is a *probe*: it may wait in the engine's queue for a running stream to
+end. The controller predicts that wait for it (a tight class then waits in the gateway's
+queue instead, where the fair order applies) and does not teach the TTFT estimator a probe's
+queueing as the engine's speed.
 
 Pure: the controller feeds samples; tests drive it without an engine.
 """
@@ -35,6 +45,7 @@ from collections import deque
 from typing import Any
 
 WINDOW = 256
+MIN_SAMPLES = 3  # before this many, nothing is judged slow (the 10th percentile is their least)
 FLOOR_S = 0.25
 BACKOFF = 0.85
 SLOW_SHARE = 0.1
@@ -42,7 +53,7 @@ SLOW_SHARE = 0.1
 
 class AdaptiveLimit:
     __slots__ = ("limit", "min_limit", "max_limit", "tolerance", "samples", "round_n",
-                 "round_slow", "cuts", "engine_cap", "floor_s", "_base", "_median",
+                 "round_slow", "cuts", "engine_cap", "floor_s", "proven", "_base", "_quartile",
                  "_base_age")
 
     def __init__(self, initial: int, min_limit: int, max_limit: int, tolerance: float = 2.0,
@@ -57,9 +68,10 @@ class AdaptiveLimit:
         self.round_slow = 0
         self.cuts = 0
         self._base: float | None = None
-        self._median = 0.0
+        self._quartile = 0.0
         self._base_age = 0
         self.engine_cap: float | None = None
+        self.proven = 0  # requests in flight the engine served unqueued (since the last slow)
 
     @property
     def value(self) -> int:
@@ -69,13 +81,14 @@ class AdaptiveLimit:
         return max(self.min_limit, int(min(self.limit, cap)))
 
     def baseline(self) -> float | None:
-        """The 10th percentile of recent samples (recomputed every 16 samples)."""
-        if len(self.samples) < 8:
+        """The 10th percentile of recent samples (recomputed every 16 samples; while there are
+        fewer than 16, at every sample, so that slow start's first overshoot is judged)."""
+        if len(self.samples) < MIN_SAMPLES:
             return None
-        if self._base is None or self._base_age >= 16:
+        if self._base is None or self._base_age >= 16 or len(self.samples) < 16:
             ordered = sorted(self.samples)
             self._base = ordered[len(ordered) // 10]
-            self._median = ordered[len(ordered) // 2]
+            self._quartile = ordered[len(ordered) // 4]
             self._base_age = 0
         return self._base
 
@@ -85,26 +98,39 @@ class AdaptiveLimit:
         base = self.baseline()
         self.samples.append(max(0.0, queueing_s))
         self._base_age += 1
-        slow = base is not None and queueing_s > max(self.tolerance * self._median,
+        slow = base is not None and queueing_s > max(self.tolerance * self._quartile,
                                                      base + self.floor_s)
         self.round_n += 1
         if slow:
-            self.round_slow += 1
+            # A probe that queued is answered by coming down to the level below it (next);
+            # only slow samples at levels the engine had served count towards a backoff
+            # (counting the probe too took the limit below the batch after every probe).
+            if not self.probe(in_flight):
+                self.round_slow += 1
+            self.proven = min(self.proven, in_flight - 1)
             # It was sent with `in_flight` on the replica and still queued in the engine: the
             # engine's batch is below that. Come down to it now (and end slow start), rather
             # than a round of samples later.
             if in_flight > self.min_limit and in_flight - 1 < self.limit:
                 self.limit = float(in_flight - 1)
                 self.cuts = max(self.cuts, 1)
-        elif in_flight >= 0.8 * self.value and not self.round_slow:
-            step = 1.0 if not self.cuts else 0.5 / max(1.0, self.limit)
-            self.limit = min(float(self.max_limit), self.limit + step)
+        else:
+            self.proven = max(self.proven, in_flight)
+            if in_flight >= 0.8 * self.value and not self.round_slow:
+                step = 1.0 if not self.cuts else 0.5 / max(1.0, self.limit)
+                self.limit = min(float(self.max_limit), self.limit + step)
         if self.round_n >= max(4.0, self.limit):
             if self.round_slow > SLOW_SHARE * self.round_n:
                 self.limit = max(float(self.min_limit), self.limit * BACKOFF)
                 self.cuts += 1
             self.round_n = self.round_slow = 0
         return slow
+
+    def probe(self, in_flight: int) -> bool:
+        """Would a dispatch with `in_flight` requests on the replica (itself included) be
+        above the level the engine has served unqueued? Only once the limit has come down:
+        before, slow start probes with every dispatch and nothing is known yet."""
+        return self.cuts > 0 and in_flight > max(self.proven, self.min_limit)
 
     def engine_reports(self, max_running: float | None) -> None:
         """The engine's own batch size, when its metrics publish one."""
@@ -114,4 +140,5 @@ class AdaptiveLimit:
         base = self.baseline()
         return {"limit": self.value, "max": self.max_limit, "min": self.min_limit,
                 "baseline_s": round(base, 5) if base is not None else None,
-                "decreases": self.cuts, "engine_cap": self.engine_cap}
+                "decreases": self.cuts, "engine_cap": self.engine_cap,
+                "proven": self.proven}

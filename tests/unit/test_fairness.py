@@ -109,6 +109,45 @@ def test_adaptive_limit_grows_while_fast_and_backs_off_on_engine_queueing() -> N
     assert capped.value == 6
 
 
+def test_slow_start_overshooting_the_batch_is_judged_from_its_first_samples() -> None:
+    """Slow start climbs one per sample; the first tokens queued behind a full batch of 8 come
+    later, a third of the first samples: judged slow as they come (not averaged into a
+    median that passes them), the limit comes down below the level they were sent at."""
+    lim = AdaptiveLimit(initial=8, min_limit=2, max_limit=256)
+    for _ in range(4):
+        lim.sample(0.02, in_flight=lim.value)
+    assert lim.value == 12 and lim.cuts == 0
+    assert lim.sample(0.8, in_flight=10) and lim.sample(0.9, in_flight=11)
+    assert lim.value <= 9 and lim.cuts > 0
+
+
+def test_a_probe_above_the_proven_level_is_answered_by_one_step_down_not_a_backoff() -> None:
+    """Once the limit has come down, the level the engine served unqueued is known; a
+    dispatch above it is a probe. One that queued brings the limit back to the proven level,
+    and no multiplicative backoff below it (that took the limit under the batch after every
+    probe); a slow sample at a proven level (the engine slowed) still backs off."""
+    lim = AdaptiveLimit(initial=8, min_limit=2, max_limit=256)
+    for _ in range(4):
+        lim.sample(0.02, in_flight=8)
+    assert lim.sample(0.9, in_flight=9)  # slow start's first overshoot
+    assert lim.value == 8 and lim.cuts == 1
+    for _ in range(40):
+        lim.sample(0.02, in_flight=8)
+    assert lim.proven == 8 and lim.probe(9) and not lim.probe(8)
+    probing = lim.value
+    assert probing == 9  # +1 every two rounds: it probes again
+    for _ in range(3):  # rounds with one slow probe each: never below the batch
+        assert lim.sample(0.9, in_flight=9)
+        for _ in range(7):
+            lim.sample(0.02, in_flight=8)
+        assert lim.value == 8, lim.snapshot()
+    lim.sample(0.02, in_flight=9)  # a probe that did not queue: the engine takes 9
+    assert lim.proven == 9 and not lim.probe(9)
+    for _ in range(8):  # slow at a proven level: the engine slowed, and the limit backs off
+        lim.sample(0.9, in_flight=8)
+    assert lim.value < 8
+
+
 def test_calibration_is_per_tenant_robust_and_bounded() -> None:
     cal = TokenCalibration()
     for _ in range(8):

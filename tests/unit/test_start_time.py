@@ -232,3 +232,53 @@ async def test_a_held_slot_nobody_takes_is_anyones_after_two_of_the_tight_gaps()
     await ctrl._drain()
     await asyncio.wait_for(task, 1)
     await ctrl.close()
+
+
+# -- slots above the level the engine served unqueued (admission/limits.py's probe) ------------
+
+async def test_a_probe_slot_goes_to_a_class_that_can_wait_in_the_engine_not_a_tight_one() -> None:
+    """The limit came down once, to the engine's batch (2 proven); it probes at 4. A request
+    sent into a probe slot waits in the engine until a running stream ends: a tight class is
+    told its turn is then (here too late: 429), a loose one takes the slot, predicted to wait
+    that long; and its first token, should it have queued, does not teach the TTFT fit."""
+    clock = FakeClock()
+    ctrl = controller(clock, cap=16)
+    load = next(iter(ctrl.loads.values()))
+    assert load.adaptive is not None
+    load.holds = 10
+    load.adaptive.limit, load.adaptive.cuts, load.adaptive.proven = 4.0, 1, 2
+    running = [await ctrl.admit(request(clock, "loose", 0, 10.0), FAMILY, BODY, None,
+                                output_tokens=100) for _ in range(2)]
+    assert load.unproven() == 2
+    first_end = remaining_s(0.0, running[0].predicted_ttft_s, 100,
+                            load.est.predict_tpot(4.0))
+    assert load.probe_wait_s(clock()) == pytest.approx(first_end)
+    tight = request(clock, "tight", 0, ttft_s=0.5)
+    with pytest.raises(GatewayError) as e:
+        await ctrl.admit(tight, FAMILY, BODY, None, output_tokens=10)
+    assert e.value.status == 429 and tight.predicted_wait_s == pytest.approx(first_end)
+    loose = await ctrl.admit(request(clock, "loose", 0, 10.0), FAMILY, BODY, None,
+                             output_tokens=100)
+    assert loose.probe and loose.predicted_ttft_s >= first_end
+    assert not running[0].probe
+    await ctrl.close()
+
+
+def test_slow_start_tickets_above_the_level_it_came_down_to_do_not_teach_the_ttft_fit() -> None:
+    """Sent in slow start above the level the limit came down to, a level since served
+    unqueued: the first token may have queued in the engine, too briefly to be judged slow.
+    When the levels below were slow too (the engine slowed), it teaches as any other."""
+    clock = FakeClock()
+    ctrl = controller(clock, cap=16)
+    load = next(iter(ctrl.loads.values()))
+    adaptive = load.adaptive
+    assert adaptive is not None
+    tickets = [Ticket(ctrl, load, 100.0, 400, 1.0, 0.05, False) for _ in range(10)]
+    assert all(t.slow_start for t in tickets)
+    adaptive.limit, adaptive.cuts, adaptive.proven = 8.0, 1, 8
+    assert [t.overshot() for t in tickets] == [False] * 8 + [True] * 2
+    adaptive.proven = 3  # slow at 4 as well: the engine slowed
+    assert not any(t.overshot() for t in tickets)
+    after = Ticket(ctrl, load, 100.0, 400, 1.0, 0.05, False)  # sent after the cut
+    adaptive.proven = 8
+    assert not after.slow_start and not after.overshot()

@@ -153,3 +153,17 @@ def test_one_late_first_token_of_another_tenant_releases_one_stall_not_the_backl
     # measure they are judged by), and still its own
     assert est.observe_ttft(WORK, 0.0, 0.0, 3.0, "attacker", now + 2) == STALL_OWN
     assert est.predict_ttft(WORK, 0.0, tenant="victim") < 0.5
+
+
+def test_a_cold_fits_errors_pad_nobody() -> None:
+    """The first WARM_N first tokens meet a fit that is still its priors (1 s per 1k tokens):
+    their residuals say how little it knows. Kept, a few of them would pad every request of
+    the tenant for a whole window and refuse tight classes the engine serves in time."""
+    est = ReplicaEstimator()
+    for _ in range(9):  # the priors predict 0.45 s for 2k tokens; the engine takes 0.1
+        est.observe_ttft(2000.0, 4.0, 0.0, 0.1, "t", 0.0)
+    assert est.ttft_spread_s("t") == 0.0 and not est.judge.residuals.get("t")
+    rng = random.Random(5)
+    for i in range(20):  # warm now: ordinary first tokens, a few ms apart
+        est.observe_ttft(WORK, 4.0, 0.0, ttft(rng), "t", float(i))
+    assert 0.0 < est.ttft_spread_s("t") < 0.02
