@@ -105,6 +105,7 @@ from benchmarks.overhead import (  # noqa: E402
     wait_http,
 )
 from gateway.admission.reserve import fair_shares  # noqa: E402  (the gateway's own water-filling)
+from gateway.telemetry.decisions import MAX_QUERY  # noqa: E402
 
 DEFAULT_SIM_CMD = ("{python} -m gateway sim --host {host} --port {port} --max-batch {max_batch} "
                    "--decode-base-ms {decode_base_ms} --decode-per-seq-ms {decode_per_seq_ms} "
@@ -912,6 +913,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nice", type=int, default=0)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--keep-logs", action="store_true")
+    ap.add_argument("--decisions", type=Path, metavar="DIR",
+                    help="--fairness/--matrix: save each run's decision log (the flight "
+                    "recorder's ring, GET /admin/decisions) to DIR/<run>.jsonl")
     ap.add_argument("--fairness", action="store_true",
                     help="the fairness runs instead (issue 11): equal classes, priority with "
                          "min_share, a tenant at 10x its quota; admission with its defaults")
@@ -1233,6 +1237,17 @@ def fairness_toml(host: str, port: int, sim_port: int, classes: dict[str, SloCla
     return out
 
 
+def save_decisions(url: str, path: Path) -> None:
+    """The gateway's decision ring, oldest first, one JSON object per line."""
+    req = urllib.request.Request(f"{url}/admin/decisions?limit={MAX_QUERY}",
+                                 headers={"Authorization": "Bearer bench-admin"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        records = json.loads(resp.read())
+    rows = records.get("decisions", records) if isinstance(records, dict) else records
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in reversed(rows)))
+
+
 def fairness_main(args: argparse.Namespace) -> int:
     """Capacity (closed loop straight to the sim), then each scenario (or, with --matrix, each
     cell of the matrix) against a fresh gateway with admission's default config. Prints a
@@ -1330,6 +1345,8 @@ def fairness_main(args: argparse.Namespace) -> int:
                                              headers={"Authorization": "Bearer bench-admin"})
                 with urllib.request.urlopen(req, timeout=5) as resp:
                     summary["admission_end"] = json.loads(resp.read())
+            if args.decisions is not None:  # the flight recorder's ring, for a post-mortem
+                save_decisions(url, args.decisions / f"{safe}.jsonl")
             os.killpg(p.pid, signal.SIGTERM)
             p.wait(timeout=40)
             wait_quiet(f"{sim_base}/sim/stats", None)
@@ -1415,15 +1432,18 @@ def render_fairness(results: dict[str, Any]) -> str:
     return head + "\n\n" + "\n".join(rows)
 
 
-def judge_cell(run: dict[str, Any], capacity: float) -> dict[str, Any]:
+def judge_cell(run: dict[str, Any], capacity: float, window_s: float) -> dict[str, Any]:
     """A matrix cell's criteria: every class with demand gets >= 80 % of its weighted fair
     share of capacity as goodput, the total >= 90 % of the peak (capacity, or the demand when
-    less), and no class has a STARVE_WINDOW_S window without goodput."""
+    less), and no class has a STARVE_WINDOW_S window without goodput. The demand is what
+    each class offered in the window (its arrivals): each arrival's class is drawn from the
+    mix, so a short window's split strays from the mix's by several per cent, and a class
+    that asked for less than its share is owed what it asked for."""
     classes: dict[str, Sequence[float]] = run["classes"]
     weights = {c: float(run.get("weights", {}).get(c, 1.0)) for c in classes}
-    demand = {c: run["load"] * capacity * float(v[3]) for c, v in classes.items()}
-    fair = fair_shares(demand, weights, capacity)
     s = run["summary"]
+    demand = {c: s["classes"][c]["arrived"] / window_s for c in classes}
+    fair = fair_shares(demand, weights, capacity)
     rows = {}
     for c in classes:
         got = s["classes"][c]["goodput_rps"]
@@ -1446,7 +1466,7 @@ def render_matrix(results: dict[str, Any]) -> str:
             "(% of peak) | starved | met? |", "|---|---|---|---|---|---|"]
     passed = 0
     for label, run in results["runs"].items():
-        j = judge_cell(run, cap)
+        j = judge_cell(run, cap, results["meta"]["window_s"])
         passed += j["ok"]
         per = "; ".join(f"{c}: {r['goodput_rps']:.2f}/{r['fair_rps']:.2f} ({r['of_fair']:.0%}), "
                         f"{r['rejected']}" for c, r in j["classes"].items())
