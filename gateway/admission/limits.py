@@ -31,7 +31,10 @@ order of magnitude. That jump is the signal, as in Envoy's adaptive_concurrency 
   engine that publishes its batch size (`max_num_seqs`) through scraped metrics caps it too.
 
 Once the limit has come down, it knows a level the engine serves without queueing: `proven`,
-the most requests in flight at a dispatch whose sample was not slow since the last slow one.
+the most requests in flight at a dispatch whose sample was not slow since the last slow one
+(after the first cut, PROOF such samples above it raise it one step: the gateway's count of
+its requests in flight is not the engine's occupancy — a stream the engine has finished may
+still be relaying — so one unqueued sample at a level is luck, not proof).
 A dispatch above it is a *probe*: it may wait in the engine's queue for a running stream to
 end. The controller predicts that wait for it (a tight class then waits in the gateway's
 queue instead, where the fair order applies) and does not teach the TTFT estimator a probe's
@@ -49,12 +52,13 @@ MIN_SAMPLES = 3  # before this many, nothing is judged slow (the 10th percentile
 FLOOR_S = 0.25
 BACKOFF = 0.85
 SLOW_SHARE = 0.1
+PROOF = 3  # unqueued samples above the proven level (since the last slow one) that raise it one
 
 
 class AdaptiveLimit:
     __slots__ = ("limit", "min_limit", "max_limit", "tolerance", "samples", "round_n",
-                 "round_slow", "cuts", "engine_cap", "floor_s", "proven", "_base", "_quartile",
-                 "_base_age")
+                 "round_slow", "cuts", "engine_cap", "floor_s", "proven", "_proof", "_base",
+                 "_quartile", "_base_age")
 
     def __init__(self, initial: int, min_limit: int, max_limit: int, tolerance: float = 2.0,
                  floor_s: float = FLOOR_S) -> None:
@@ -72,6 +76,7 @@ class AdaptiveLimit:
         self._base_age = 0
         self.engine_cap: float | None = None
         self.proven = 0  # requests in flight the engine served unqueued (since the last slow)
+        self._proof = 0  # unqueued samples above it since
 
     @property
     def value(self) -> int:
@@ -108,6 +113,7 @@ class AdaptiveLimit:
             if not self.probe(in_flight):
                 self.round_slow += 1
             self.proven = min(self.proven, in_flight - 1)
+            self._proof = 0
             # It was sent with `in_flight` on the replica and still queued in the engine: the
             # engine's batch is below that. Come down to it now (and end slow start), rather
             # than a round of samples later.
@@ -115,7 +121,12 @@ class AdaptiveLimit:
                 self.limit = float(in_flight - 1)
                 self.cuts = max(self.cuts, 1)
         else:
-            self.proven = max(self.proven, in_flight)
+            if not self.cuts:
+                self.proven = max(self.proven, in_flight)
+            elif in_flight > self.proven:
+                self._proof += 1
+                if self._proof >= PROOF:
+                    self.proven, self._proof = self.proven + 1, 0
             if in_flight >= 0.8 * self.value and not self.round_slow:
                 step = 1.0 if not self.cuts else 0.5 / max(1.0, self.limit)
                 self.limit = min(float(self.max_limit), self.limit + step)
