@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import re
+from typing import Any
 
 import aiohttp
 import orjson
@@ -130,6 +132,17 @@ async def test_the_commit_runs_without_the_event_loop() -> None:
         start_response(CoalescedResponse(), request, b"")
 
 
+def _undated(value: Any) -> Any:
+    """`value` with every HTTP Date in it (a head's bytes, a header pair) replaced by '-'."""
+    if isinstance(value, (bytes, bytearray)):
+        return re.sub(rb"(^|\r\n)Date: [^\r]*", rb"\1Date: -", bytes(value))
+    if isinstance(value, tuple) and len(value) == 2 and value[0] == "Date":
+        return ("Date", "-")
+    if isinstance(value, (tuple, list)):
+        return type(value)(_undated(v) for v in value)
+    return value
+
+
 @pytest.mark.parametrize("keep_alive", [True, False])
 @pytest.mark.parametrize("first", [b"", chunk(1), b"data: " + b"x" * 70_000 + b"\n\n"])
 async def test_the_gateways_head_is_aiohttps_byte_for_byte(keep_alive: bool,
@@ -163,8 +176,9 @@ async def test_the_gateways_head_is_aiohttps_byte_for_byte(keep_alive: bool,
                  writer._headers_buf, writer.output_size, writer.buffer_size, writer.length)
         await resp.write(b"more")
         await resp.write_eof()
-        seen.append((b"".join(transport.writes), len(transport.writes), state,
-                     resp.body_length))
+        # the three heads are a moment apart: the Date they carry may differ by a second
+        seen.append(_undated((b"".join(transport.writes), len(transport.writes), state,
+                              resp.body_length)))
     assert seen[0] == seen[1] == seen[2]
     assert seen[0][0].startswith(b"HTTP/1.1 200 OK\r\n")
 
