@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import re
 
-import pytest
 from groq import AsyncGroq
 
 from tests.support.provider_stack import assert_provider_stages, stack
@@ -50,7 +49,10 @@ async def test_stream_x_groq_timings_become_provider_stages() -> None:
     first, second = (usage["req_" + r["headers"]["x-request-id"]] for r in seen)
     arrived_later_s = seen[1]["time"] - seen[0]["time"]
     first_done_s = first.queue_time + first.prompt_time + first.completion_time
-    assert second.queue_time == pytest.approx(first_done_s - arrived_later_s, abs=2e-3)
+    # It waited until the first was done; how much past that depends on when the simulator's
+    # loop next ran its scheduler (on a busy CI machine, ~10 ms more was seen).
+    waited_for_first_s = first_done_s - arrived_later_s
+    assert waited_for_first_s - 2e-3 <= second.queue_time <= waited_for_first_s + 0.05
     assert first.completion_tokens == second.completion_tokens == 5
     for rec in recs:
         assert rec["route"] == ROUTE and rec["completion_tokens"] == 5
