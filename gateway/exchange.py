@@ -98,7 +98,8 @@ class Exchange:
         "finish_reasons", "response_id", "response_model", "done", "error_type",
         "outcome", "cancel_phase",
         # telemetry inputs
-        "token_ns", "gaps", "gap_bounds_ns", "overhead_ns", "t_connect_start", "t_connect_end",
+        "token_ns", "gaps", "gap_bounds_ns", "overhead_ns", "client_paused_ns", "t_connect_start",
+        "t_connect_end",
         "provider_queue_s", "provider_prefill_s", "provider_decode_s",
         "provider_prefill_inferred", "slo", "verdict", "model_label",
         "interruption", "trace", "server_address", "server_port", "tenant", "tenant_label",
@@ -144,6 +145,9 @@ class Exchange:
         self.gaps: Gaps | None = None
         self.gap_bounds_ns = gap_bounds_ns
         self.overhead_ns = 0  # time in gateway code while relaying
+        # Time the upstream was paused because the client read slower than it wrote: the
+        # stream's TPOT then says how fast the client read, not how fast the engine decoded.
+        self.client_paused_ns = 0
         self.t_connect_start = self.t_connect_end = 0
         self.provider_queue_s: float | None = None  # provider-reported stages (seconds)
         self.provider_prefill_s: float | None = None

@@ -1031,7 +1031,9 @@ class AdmissionController:
             self.metrics.ttft_error.observe((ticket.replica.name, ctx.model_label),
                                             abs(actual - ticket.predicted_ttft_s))
             tpot = durations.tpot_s(ctx)
-            if tpot is not None and ticket.state == "done":
+            # A client that read slower than the engine wrote paced the stream: its TPOT is
+            # the client's, and would teach every tenant's admission a slow engine.
+            if tpot is not None and ticket.state == "done" and not ctx.client_paused_ns:
                 at_first = ticket.decoding_sum if ticket.decoding_sum is not None else decoding_end
                 mean_decoding = (at_first + decoding_end) / 2
                 est.observe_tpot(mean_decoding, tpot)

@@ -586,7 +586,9 @@ class Relay:
                         self.waiter = None
                 if self.drain_asked:
                     self.drain_asked = False
+                    paused = now_ns()
                     await self._client_wire().drain()
+                    self.ex.client_paused_ns += now_ns() - paused
                 end = self.end
                 if end is not None:
                     if end is _EOF or end is _LINGERED:

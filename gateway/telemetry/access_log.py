@@ -97,6 +97,8 @@ def log_ms(ex: Exchange) -> dict[str, float]:
             out[name] = round(value * 1e3, 3)
     if ex.overhead_ns or ex.t_sent:
         out["overhead"] = round(durations.overhead_s(ex) * 1e3, 3)
+    if ex.client_paused_ns:
+        out["client_paused"] = round(ex.client_paused_ns / 1e6, 3)
     return out
 
 
