@@ -83,7 +83,8 @@ QUOTA_TOKENS = "quota_tokens_per_minute"
 SHED_REASONS = (SHED_QUEUE_FULL, SHED_TTFT_INFEASIBLE, QUOTA_IN_FLIGHT, QUOTA_QUEUED,
                 QUOTA_REQUESTS, QUOTA_TOKENS)
 
-# -- how a first token far later than predicted was judged (slogate_tenant_ttft_stalls_total) --
+# -- how a late first token or a slow stream was judged (slogate_tenant_ttft_stalls_total,
+# slogate_tenant_tpot_slow_total) --
 STALL_OWN = "own"  # its tenant's alone: held back from the estimator
 STALL_BACKEND = "backend"  # another tenant's were late too (or it is alone there): learned
 

@@ -1036,7 +1036,9 @@ class AdmissionController:
             if tpot is not None and ticket.state == "done" and not ctx.client_paused_ns:
                 at_first = ticket.decoding_sum if ticket.decoding_sum is not None else decoding_end
                 mean_decoding = (at_first + decoding_end) / 2
-                est.observe_tpot(mean_decoding, tpot)
+                slow = est.observe_tpot(mean_decoding, tpot, ticket.tenant, self.clock() / 1e9)
+                if slow is not None:
+                    self.metrics.tenants.tpot_slow(ticket.tenant, slow)
 
     def release_shared(self, ticket: Ticket) -> None:
         if ticket.shared_slot and self.shared is not None:

@@ -53,6 +53,9 @@ STALL_MIN_S = 0.05  # and this much.
 WARM_N = 10
 STALL_WINDOW_S = 30.0  # another tenant's stall within this long corroborates one
 STALL_ALONE = 3  # stalls of a tenant alone on the replica (within the window) that teach the fit
+# A slow stream: a TPOT above TPOT_SLOW_RATIO × the prediction and TPOT_SLOW_MIN_S over it.
+TPOT_SLOW_RATIO = 2.0
+TPOT_SLOW_MIN_S = 0.005
 
 
 def _median(values: Sequence[float]) -> float:
@@ -277,12 +280,53 @@ class TtftJudge:
         return queue
 
 
+class TpotJudge:
+    """Whose slow streams teach a replica's TPOT fit. A stream decoding far slower than
+    predicted for a reason of its tenant's own (a grammar, logprobs, a fault it injected) must
+    not get every tenant's tight-TPOT requests refused. Judged like first tokens, simpler (a
+    slow stream refuses nobody by itself, so there is no bias or spread per tenant): a slow
+    stream teaches the fit when another tenant has a slow one held within STALL_WINDOW_S (both
+    teach it, one for one), or when no other tenant was seen within it (a slowdown only it
+    can see); else it is held, at most RESID_WINDOW per tenant, and teaches nothing unless
+    another tenant's slow stream comes to pair with it."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, deque[tuple[float, float, float]]] = {}  # (t, decoding, tpot)
+        self.last_seen: dict[str, float] = {}
+
+    def judge(self, fit: RLS, tenant: str, decoding: float, seconds: float,
+              now: float) -> tuple[str | None, list[tuple[float, float]]]:
+        """(None: ordinary, STALL_BACKEND or STALL_OWN; the (decoding, tpot) pairs to teach)."""
+        alone = not any(t != tenant and now - seen < STALL_WINDOW_S
+                        for t, seen in self.last_seen.items())
+        self.last_seen[tenant] = now
+        for queue in self.held.values():
+            while queue and now - queue[0][0] >= STALL_WINDOW_S:
+                queue.popleft()
+        pred = max(fit.predict([1.0, decoding]), 0.0)
+        if not (fit.n >= WARM_N and seconds > TPOT_SLOW_RATIO * pred
+                and seconds - pred > TPOT_SLOW_MIN_S):
+            return None, [(decoding, seconds)]
+        partner = next((q for t, q in self.held.items() if t != tenant and q), None)
+        if partner is not None:
+            _, d, y = partner.pop()
+            return STALL_BACKEND, [(d, y), (decoding, seconds)]
+        if alone:
+            return STALL_BACKEND, [(decoding, seconds)]
+        own = self.held.get(tenant)
+        if own is None:
+            own = self.held[tenant] = deque(maxlen=RESID_WINDOW)
+        own.append((now, decoding, seconds))
+        return STALL_OWN, []
+
+
 class ReplicaEstimator:
     def __init__(self, lam: float = 0.97) -> None:
         # Priors for an unknown engine: 50 ms base, 1 s per 1k prompt tokens, 20 ms TPOT.
         self.ttft = RLS([0.05, 0.2, 0.0, 0.0], lam, nonneg=(1, 2, 3))
         self.tpot = RLS([0.02, 0.001], lam, nonneg=(1,))
         self.judge = TtftJudge()
+        self.tpot_judge = TpotJudge()
         self.tokens_per_byte = RATIO_PRIOR
         self._ratios: deque[float] = deque(maxlen=RATIO_WINDOW)
         self.provider_queue_s = 0.0  # EWMA of provider-reported queue time (hosted APIs)
@@ -422,8 +466,14 @@ class ReplicaEstimator:
         judge.before, judge.teacher, judge.taught = None, None, []
         judge.refresh(teacher)
 
-    def observe_tpot(self, decoding: float, seconds: float) -> None:
-        self.tpot.update([1.0, decoding], seconds)
+    def observe_tpot(self, decoding: float, seconds: float, tenant: str = "",
+                     now: float = 0.0) -> str | None:
+        """One stream's TPOT (`decoding`: mean streams decoding beside it). None: ordinary,
+        taught; else a slow stream judged STALL_BACKEND (taught) or STALL_OWN (held)."""
+        verdict, teach = self.tpot_judge.judge(self.tpot, tenant, decoding, seconds, now)
+        for d, y in teach:
+            self.tpot.update([1.0, d], y)
+        return verdict
 
     def observe_prompt(self, body_bytes: int, prompt_tokens: int) -> None:
         """The replica's own ratio (shown in /admin/admission): the same robust median."""
@@ -452,7 +502,9 @@ class ReplicaEstimator:
                              for t in self.judge.residuals},
             "ttft_taught_by": self.judge.teacher,
             "tpot_model": {"base_s": round(a, 6), "s_per_decoding_stream": round(b, 7),
-                           "observations": self.tpot.n, "stderr_s": round(self.tpot.stderr, 6)},
+                           "observations": self.tpot.n, "stderr_s": round(self.tpot.stderr, 6),
+                           "held_slow": {t: len(q) for t, q in self.tpot_judge.held.items()
+                                         if q}},
             "tokens_per_byte": round(self.tokens_per_byte, 4),
             "provider_queue_s": round(self.provider_queue_s, 5),
         }

@@ -9,6 +9,7 @@
   slogate_tenant_backend_holds_total{tenant, backend}   (its own failures held it off a backend)
   slogate_tenant_held_requests_total{tenant}            (refused at once while held: tenant_held)
   slogate_tenant_ttft_stalls_total{tenant, judged}      (first tokens far later than predicted)
+  slogate_tenant_tpot_slow_total{tenant, judged}        (streams decoding far slower than predicted)
 """
 from __future__ import annotations
 
@@ -55,12 +56,19 @@ class TenantMetrics:
                                    "late too, or it is alone there: the estimator learned it) "
                                    "or own (the tenant's alone: it did not).",
                                    ("tenant", "judged"), registry=registry)
+        self.tpot_slows = Counter("slogate_tenant_tpot_slow",
+                                  "Streams whose TPOT was far above what admission predicted, "
+                                  "by tenant and how they were judged: backend (another "
+                                  "tenant's were slow too, or it is alone there: the estimator "
+                                  "learned it) or own (the tenant's alone: it did not).",
+                                  ("tenant", "judged"), registry=registry)
         for tenant in (*sorted(self.known), OTHER):
             for reason in SHED_REASONS:
                 self.sheds.labels(tenant, reason)
             self.held_requests.labels(tenant)
             for judged in (STALL_OWN, STALL_BACKEND):
                 self.ttft_stalls.labels(tenant, judged)
+                self.tpot_slows.labels(tenant, judged)
 
     def label(self, tenant: str | None) -> str:
         return tenant if tenant in self.known else OTHER
@@ -88,6 +96,9 @@ class TenantMetrics:
 
     def ttft_stall(self, tenant: str, judged: str) -> None:
         self._child(self.ttft_stalls, (self.label(tenant), judged)).inc()
+
+    def tpot_slow(self, tenant: str, judged: str) -> None:
+        self._child(self.tpot_slows, (self.label(tenant), judged)).inc()
 
     def backend_held(self, backend: str, tenant: str) -> None:
         self._child(self.backend_holds, (self.label(tenant), backend)).inc()

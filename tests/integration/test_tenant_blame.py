@@ -219,3 +219,26 @@ async def test_a_slowdown_every_tenant_sees_still_raises_the_prediction() -> Non
         backend = [await metric(s, gw, "slogate_tenant_ttft_stalls_total", tenant=t,
                                 judged="backend") for t in ("bystander", "neighbour")]
         assert sum(backend) >= 1  # the late ones corroborated each other: the fit learned them
+
+
+async def test_one_tenants_slow_streams_do_not_get_the_others_refused_on_tpot() -> None:
+    """The TPOT fit is the replica's: 12 streams of one tenant whose tokens come 300 ms apart
+    (its own reason: here the simulator's per-request delay) taught it 0.3 s a token, and the
+    interactive class (TPOT 100 ms) was held back for every tenant. Now they are the tenant's
+    own while the others' streams decode as predicted."""
+    async with serve_app(build_sim(SimConfig(**FAST))) as sim, \
+            serve_app(build_app(admitting(sim))) as gw, aiohttp.ClientSession() as s:
+        for _ in range(20):
+            assert (await chat(s, gw, "victim"))[0] == 200
+        before = (await replica_state(s, gw))["tpot_model"]
+        slow = await asyncio.gather(*(chat(s, gw, "attacker", {"x-sim-token-delay-ms": "300"})
+                                      for _ in range(12)))
+        assert [status for status, _, _ in slow] == [200] * 12
+        after = (await replica_state(s, gw))["tpot_model"]
+        assert after["base_s"] + 13 * after["s_per_decoding_stream"] < 0.05, after
+        assert after["observations"] == before["observations"]
+        assert after["held_slow"] == {"attacker": 12}
+        statuses = [(await chat(s, gw, "victim"))[0] for _ in range(10)]
+        assert statuses == [200] * 10
+        assert await metric(s, gw, "slogate_tenant_tpot_slow_total", tenant="attacker",
+                            judged="own") == 12

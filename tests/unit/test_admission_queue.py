@@ -151,7 +151,9 @@ async def test_ticket_records_decoding_at_first_token_for_the_tpot_estimate() ->
     for t in others[1:]:
         t.first_token()
     observed: list[tuple[float, float]] = []
-    ticket.load.est.observe_tpot = lambda decoding, s: observed.append((decoding, s))
+    def observe(decoding: float, s: float, tenant: str, now: float) -> None:
+        observed.append((decoding, s))
+    ticket.load.est.observe_tpot = observe  # type: ignore[method-assign,assignment]
     ctx = request(clock, "x", 0, 60)
     ctx.outcome, ctx.stream, ctx.completion_tokens = "ok", True, 11
     ctx.t_sent = clock()
