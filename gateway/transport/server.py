@@ -11,9 +11,9 @@ come with the previous one (pipelining: a whole request and the start of the nex
 packet), before it was handled: so the deadline is armed again when a request ends, and
 when it fires with no byte since, the parser is asked whether it holds the start of a
 request (yes: 408; no: the connection is idle, aiohttp's keep-alive timeout is its limit).
-aiohttp's privates used here (`_handle_request`, `_messages`, `_parser`, `_loop`, the server's
-`_kwargs`, the site's own attributes) are pinned by tests/integration/test_hostile.py and
-tests/integration/test_bad_input.py.
+aiohttp's privates used here (`_handle_request`, `_process_keepalive`, `_keepalive_handle`,
+`_messages`, `_parser`, `_loop`, the server's `_kwargs`, the site's own attributes) are
+pinned by tests/integration/test_hostile.py and tests/integration/test_bad_input.py.
 """
 from __future__ import annotations
 
@@ -107,6 +107,15 @@ class GuardedHandler(RequestHandler):
             self._got_bytes = False
             self._arm()  # the next request may have begun in the packets of this one
             self._after_request = True
+
+    def _process_keepalive(self) -> None:
+        """aiohttp's idle timeout closes a connection whose next request has not been parsed
+        yet, without a word, even when its first bytes have come: then the request's header
+        deadline decides (its 408), however the two timeouts are set."""
+        if self._got_bytes and not self._busy:
+            self._keepalive_handle = None  # set again when the request ends
+            return
+        super()._process_keepalive()
 
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:

@@ -194,6 +194,34 @@ async def test_kept_alive_connection_gets_the_header_deadline_and_the_idle_timeo
         await until(lambda: site.guard.open == 0)
 
 
+async def test_an_idle_timeout_shorter_than_the_header_deadline_still_gets_the_408(
+        monkeypatch) -> None:
+    """Once a request's first byte has come, its header deadline decides, not the idle
+    timeout: with idle_connection_timeout_s below header_timeout_s, a trickled request was
+    closed at the idle timeout without a word (aiohttp's keep-alive timer), on a new
+    connection and on a kept-alive one."""
+    async with stack(monkeypatch, header_timeout_s=1.0, idle_connection_timeout_s=0.3) \
+            as (gw, site, _), aiohttp.ClientSession() as s:
+        t0 = asyncio.get_running_loop().time()
+        slow = await hostile.slowloris("127.0.0.1", port_of(gw), every_s=0.05)
+        assert hostile.status_of(slow) == 408
+        assert 0.9 < asyncio.get_running_loop().time() - t0 < 3
+        r, w = await asyncio.open_connection("127.0.0.1", port_of(gw))
+        w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert hostile.status_of(await read_response(r)) == 200
+        w.write(b"GET /hea")
+        t0 = asyncio.get_running_loop().time()
+        rest = await asyncio.wait_for(r.read(), 5)
+        assert hostile.status_of(rest) == 408
+        assert 0.9 < asyncio.get_running_loop().time() - t0 < 3
+        w.close()
+        assert await metric(s, gw, "slogate_connections_rejected_total", "header_timeout") == 2
+        # and an idle one is still closed at the idle timeout
+        t0 = asyncio.get_running_loop().time()
+        assert await hostile.idle_connection("127.0.0.1", port_of(gw)) == b""
+        assert asyncio.get_running_loop().time() - t0 < 0.9
+
+
 async def test_a_request_cut_after_a_pipelined_one_gets_408_at_the_header_deadline(
         monkeypatch) -> None:
     """A whole request and the start of the next in one packet: the next one's headers are
