@@ -41,6 +41,7 @@ from gateway.errors import (
     GATEWAY_ERROR,
     IDLE,
     INVALID_RESPONSE,
+    NO_ANSWER,
     OK,
     SHUTDOWN,
     TIMEOUT,
@@ -870,6 +871,13 @@ class Proxy:
                 raise AttemptFailed(ATTEMPT_CUT, 502, f"Backend '{ex.backend}' closed the "
                                     "connection before the end of its answer.",
                                     "upstream_response_truncated") from None
+            if up.status != 200 or not body:
+                # Every route proxied is a generation: a 201/202/204 or an empty 200 is no
+                # answer an SDK can read (it would pass as ok); another replica may answer.
+                raise AttemptFailed(NO_ANSWER, 502, f"Backend '{ex.backend}' answered "
+                                    f"{up.status} without an answer"
+                                    f"{' (an empty body)' if up.status == 200 else ''}.",
+                                    "upstream_no_answer")
         # No token stamps: a whole answer has no first token (it is measured by e2e), and an
         # error answer never has one.
         if up.status < 400:

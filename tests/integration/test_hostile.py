@@ -443,6 +443,12 @@ def _gzipped_stream(n: int) -> tuple[bytes, str]:
 UNREADABLE = {
     "body-after-204": (hostile.http_answer(204, [("Content-Length", "0")], b"surprise"),
                        "invalid_response", "invalid_response"),
+    "no-content": (hostile.http_answer(204, []), "no_answer", "upstream_no_answer"),
+    "accepted": (hostile.http_answer(202, [("Content-Length", "0")]), "no_answer",
+                 "upstream_no_answer"),
+    "empty-200": (hostile.http_answer(200, [("Content-Type", "application/json"),
+                                            ("Content-Length", "0")]),
+                  "no_answer", "upstream_no_answer"),
     "long-header": (hostile.http_answer(200, [("X-Big", "a" * 9000), *SSE]),
                     limits.HEADERS_TOO_LARGE, limits.HEADERS_TOO_LARGE),
     "many-headers": (hostile.http_answer(200, [(f"X-H{i}", "v") for i in range(200)]),
@@ -459,8 +465,9 @@ UNREADABLE = {
 @pytest.mark.parametrize("model", list(UNREADABLE))
 async def test_an_unreadable_upstream_answer_fails_over_and_is_a_502_when_none_is_left(
         monkeypatch, caplog, model) -> None:
-    """A 204 with a body, headers over the parser's limits, a body shorter than its
-    Content-Length, a chunk that does not parse: a failed attempt that judges the backend,
+    """A 204 with a body, a success status with no answer (204, 202, an empty 200), headers
+    over the parser's limits, a body shorter than its Content-Length, a chunk that does not
+    parse: a failed attempt that judges the backend,
     another replica answers; with none left, a 502 that says why in the client's format. No
     traceback, no internal error, no wait for a deadline."""
     answer, result, code = UNREADABLE[model]
