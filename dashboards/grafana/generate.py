@@ -603,6 +603,10 @@ def traces_row() -> dict[str, Any]:
 
 def tenants_row() -> dict[str, Any]:
     """Per tenant (configured tenants + `other`): goodput, traffic, sheds, quotas."""
+    def own(counter: str) -> str:
+        judged_own = 'judged="own"'
+        return f"sum by (tenant) ({rate(counter, JOB, judged_own)})"
+
     slo_req = "slogate_tenant_slo_requests_total"
     return row("Tenants", [
         timeseries("Goodput by tenant",
@@ -644,6 +648,19 @@ def tenants_row() -> dict[str, Any]:
                             f"({sel('slogate_tenant_quota_usage_ratio', JOB)})",
                             "{{tenant}} {{quota}}")),
                    "percentunit", lines=((1.0, "red"),)),
+        timeseries("Judged the tenant's own",
+                   "What one tenant's requests did that the gateway kept from judging the "
+                   "backend by, per second: first tokens far later than predicted (stalls) and "
+                   "streams far slower than predicted that admission's estimators did not learn "
+                   "(no other tenant saw them), and requests refused at once while the tenant "
+                   "was held off a backend by its own failures. One tenant here while the "
+                   "others' goodput holds: its traffic, not the engine.",
+                   targets((own("slogate_tenant_ttft_stalls_total"), "{{tenant}} TTFT stalls"),
+                           (own("slogate_tenant_tpot_slow_total"), "{{tenant}} slow streams"),
+                           (f"sum by (tenant) "
+                            f"({rate('slogate_tenant_held_requests_total', JOB)})",
+                            "{{tenant}} refused while held")),
+                   "reqps"),
     ])
 
 
