@@ -40,6 +40,7 @@ ATTEMPT_OK = "ok"  # the answer reached the client complete
 CONNECT_ERROR = "connect_error"
 INVALID_RESPONSE = "invalid_response"  # an answer that is not HTTP/1.1 (a body after a 204...)
 NO_ANSWER = "no_answer"  # a success status without an answer: not 200, or an empty body
+NOT_STREAMED = "not_streamed"  # a whole answer (not an event stream) to a streamed request
 CLOSED_BEFORE_FIRST_TOKEN = "closed_before_first_token"
 # ... and of an attempt that reached the client but did not complete (after commit)
 ATTEMPT_CUT = "cut"  # the upstream closed or lost the stream before its end

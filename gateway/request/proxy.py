@@ -42,6 +42,7 @@ from gateway.errors import (
     IDLE,
     INVALID_RESPONSE,
     NO_ANSWER,
+    NOT_STREAMED,
     OK,
     SHUTDOWN,
     TIMEOUT,
@@ -878,6 +879,12 @@ class Proxy:
                                     f"{up.status} without an answer"
                                     f"{' (an empty body)' if up.status == 200 else ''}.",
                                     "upstream_no_answer")
+            if ex.stream:
+                # An SDK that asked for a stream reads no event out of a whole answer: its
+                # stream would end empty and the request count as ok.
+                raise AttemptFailed(NOT_STREAMED, 502, f"Backend '{ex.backend}' answered a "
+                                    "streamed request with a whole response, not an event "
+                                    "stream.", "upstream_not_streamed")
         # No token stamps: a whole answer has no first token (it is measured by e2e), and an
         # error answer never has one.
         if up.status < 400:
