@@ -185,7 +185,8 @@ class Residual:
 
 
 class Stall:
-    """A first token far later than predicted, held back from the fit until judged."""
+    """A first token far later than predicted (or a stream far slower), held back from the
+    fit until judged: when it came, the fit's inputs and what was observed."""
 
     __slots__ = ("t", "x", "y", "residual")
 
@@ -193,7 +194,36 @@ class Stall:
         self.t, self.x, self.y, self.residual = t, x, y, residual
 
 
-class TtftJudge:
+class HeldStalls:
+    """Per tenant on one replica: when it was last seen, and its stalls held back from the fit
+    (at most RESID_WINDOW each, for STALL_WINDOW_S) — what judging one tenant's word against
+    the others' needs, for first tokens and for streams alike."""
+
+    def __init__(self) -> None:
+        self.stalls: dict[str, deque[Stall]] = {}
+        self.last_seen: dict[str, float] = {}
+
+    def others_seen(self, tenant: str, now: float) -> bool:
+        return any(t != tenant and now - seen < STALL_WINDOW_S
+                   for t, seen in self.last_seen.items())
+
+    def expire(self, now: float) -> None:
+        for queue in self.stalls.values():
+            while queue and now - queue[0].t >= STALL_WINDOW_S:
+                queue.popleft()
+
+    def held(self, tenant: str) -> deque[Stall]:
+        queue = self.stalls.get(tenant)
+        if queue is None:
+            queue = self.stalls[tenant] = deque(maxlen=RESID_WINDOW)
+        return queue
+
+    def partner(self, tenant: str) -> str | None:
+        """Another tenant with a stall held (the slowdown is not this tenant's alone)."""
+        return next((t for t, queue in self.stalls.items() if t != tenant and queue), None)
+
+
+class TtftJudge(HeldStalls):
     """Per tenant on one replica: its residuals, its spread and bias, and its stalls that have
     not taught the shared fit. Memory is bounded: tenants are the configured ones plus
     `other`, each with at most RESID_WINDOW residuals and stalls.
@@ -217,9 +247,8 @@ class TtftJudge:
       that tenant's own (the old fit comes back, and they count in its bias)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.residuals: dict[str, deque[Residual]] = {}
-        self.stalls: dict[str, deque[Stall]] = {}
-        self.last_seen: dict[str, float] = {}
         # each tenant's last late first token as it came (for the concurrency limit)
         self.late: dict[str, float] = {}
         self.spreads: dict[str, float] = {}
@@ -260,63 +289,37 @@ class TtftJudge:
             return own
         return self.spread if own is None else max(own, self.spread)
 
-    def others_seen(self, tenant: str, now: float) -> bool:
-        return any(t != tenant and now - seen < STALL_WINDOW_S
-                   for t, seen in self.last_seen.items())
-
     def others_late(self, tenant: str, now: float) -> bool:
         """Was another tenant's first token late here within the window (as it came)?"""
         return any(t != tenant and now - at < STALL_WINDOW_S for t, at in self.late.items())
 
-    def expire(self, now: float) -> None:
-        for queue in self.stalls.values():
-            while queue and now - queue[0].t >= STALL_WINDOW_S:
-                queue.popleft()
 
-    def held(self, tenant: str) -> deque[Stall]:
-        queue = self.stalls.get(tenant)
-        if queue is None:
-            queue = self.stalls[tenant] = deque(maxlen=RESID_WINDOW)
-        return queue
-
-
-class TpotJudge:
+class TpotJudge(HeldStalls):
     """Whose slow streams teach a replica's TPOT fit. A stream decoding far slower than
     predicted for a reason of its tenant's own (a grammar, logprobs, a fault it injected) must
     not get every tenant's tight-TPOT requests refused. Judged like first tokens, simpler (a
     slow stream refuses nobody by itself, so there is no bias or spread per tenant): a slow
-    stream teaches the fit when another tenant has a slow one held within STALL_WINDOW_S (both
-    teach it, one for one), or when no other tenant was seen within it (a slowdown only it
-    can see); else it is held, at most RESID_WINDOW per tenant, and teaches nothing unless
-    another tenant's slow stream comes to pair with it."""
+    stream teaches the fit when another tenant has a slow one held (both teach it, one for
+    one), or when no other tenant was seen within STALL_WINDOW_S (a slowdown only it can see);
+    else it is held, and teaches nothing unless another tenant's slow stream pairs with it."""
 
-    def __init__(self) -> None:
-        self.held: dict[str, deque[tuple[float, float, float]]] = {}  # (t, decoding, tpot)
-        self.last_seen: dict[str, float] = {}
-
-    def judge(self, fit: RLS, tenant: str, decoding: float, seconds: float,
-              now: float) -> tuple[str | None, list[tuple[float, float]]]:
-        """(None: ordinary, STALL_BACKEND or STALL_OWN; the (decoding, tpot) pairs to teach)."""
-        alone = not any(t != tenant and now - seen < STALL_WINDOW_S
-                        for t, seen in self.last_seen.items())
+    def judge(self, fit: RLS, tenant: str, x: list[float], seconds: float,
+              now: float) -> tuple[str | None, list[tuple[list[float], float]]]:
+        """(None: ordinary, STALL_BACKEND or STALL_OWN; the (x, tpot) pairs to teach)."""
+        alone = not self.others_seen(tenant, now)
         self.last_seen[tenant] = now
-        for queue in self.held.values():
-            while queue and now - queue[0][0] >= STALL_WINDOW_S:
-                queue.popleft()
-        pred = max(fit.predict([1.0, decoding]), 0.0)
+        self.expire(now)
+        pred = max(fit.predict(x), 0.0)
         if not (fit.n >= WARM_N and seconds > TPOT_SLOW_RATIO * pred
                 and seconds - pred > TPOT_SLOW_MIN_S):
-            return None, [(decoding, seconds)]
-        partner = next((q for t, q in self.held.items() if t != tenant and q), None)
+            return None, [(x, seconds)]
+        partner = self.partner(tenant)
         if partner is not None:
-            _, d, y = partner.pop()
-            return STALL_BACKEND, [(d, y), (decoding, seconds)]
+            paired = self.stalls[partner].pop()
+            return STALL_BACKEND, [(paired.x, paired.y), (x, seconds)]
         if alone:
-            return STALL_BACKEND, [(decoding, seconds)]
-        own = self.held.get(tenant)
-        if own is None:
-            own = self.held[tenant] = deque(maxlen=RESID_WINDOW)
-        own.append((now, decoding, seconds))
+            return STALL_BACKEND, [(x, seconds)]
+        self.held(tenant).append(Stall(now, x, seconds, Residual(seconds - pred)))
         return STALL_OWN, []
 
 
@@ -395,8 +398,7 @@ class ReplicaEstimator:
         else:
             residual.late = True
             held = judge.held(tenant)
-            partner = next((t for t, queue in judge.stalls.items() if t != tenant and queue),
-                           None)
+            partner = judge.partner(tenant)
             if partner is not None or fit is not self.ttft:  # another tenant's were late too
                 judge.before, judge.teacher, judge.taught = None, None, []
                 # One for one: a single late first token cannot release another tenant's
@@ -470,9 +472,9 @@ class ReplicaEstimator:
                      now: float = 0.0) -> str | None:
         """One stream's TPOT (`decoding`: mean streams decoding beside it). None: ordinary,
         taught; else a slow stream judged STALL_BACKEND (taught) or STALL_OWN (held)."""
-        verdict, teach = self.tpot_judge.judge(self.tpot, tenant, decoding, seconds, now)
-        for d, y in teach:
-            self.tpot.update([1.0, d], y)
+        verdict, teach = self.tpot_judge.judge(self.tpot, tenant, [1.0, decoding], seconds, now)
+        for x, y in teach:
+            self.tpot.update(x, y)
         return verdict
 
     def observe_prompt(self, body_bytes: int, prompt_tokens: int) -> None:
@@ -503,7 +505,7 @@ class ReplicaEstimator:
             "ttft_taught_by": self.judge.teacher,
             "tpot_model": {"base_s": round(a, 6), "s_per_decoding_stream": round(b, 7),
                            "observations": self.tpot.n, "stderr_s": round(self.tpot.stderr, 6),
-                           "held_slow": {t: len(q) for t, q in self.tpot_judge.held.items()
+                           "held_slow": {t: len(q) for t, q in self.tpot_judge.stalls.items()
                                          if q}},
             "tokens_per_byte": round(self.tokens_per_byte, 4),
             "provider_queue_s": round(self.provider_queue_s, 5),
