@@ -69,7 +69,7 @@ ADMITTED, QUEUED, REJECTED = "admitted", "queued", "rejected"
 TIE_BAND = 0.05  # predictions within 5 % of the best are equally good: pick one at random
 PROBE_INTERVAL_S = 1.0
 MIN_HOLDS = 5  # requests ended on a replica before its slot releases are predicted
-URGENT = 0.25  # a waiter in the last quarter of its TTFT budget may pass more important ones
+URGENT = 0.25  # a waiter in the last quarter of its TTFT budget may pass (_may_pass)
 
 
 @dataclass(frozen=True, slots=True)
@@ -523,7 +523,7 @@ class AdmissionController:
         now_s = self.clock() / 1e9
         demand = self._demand.get(slo.name)
         if demand is None:
-            demand = self._demand[slo.name] = Demand(now_s, 0.0, 0.0)
+            demand = self._demand[slo.name] = Demand(now_s, 0.0, 0.0, first_s=now_s)
         demand.arrive(now_s, policy.weight * slo.cls.weight, slo.ttft_ms / 1e3)
         if len(self.fair) or self._held_back(slo.name, model, loads):
             # Others are waiting: capacity that frees goes to the flow whose turn it is.
@@ -676,6 +676,19 @@ class AdmissionController:
         left_s = (waiter.deadline - self.clock()) / 1e9
         return bool(left_s < URGENT * slo.ttft_ms / 1e3)
 
+    def _may_pass(self, waiter: Waiter, turn_priority: int | None,
+                  loads: list[ReplicaLoad]) -> bool:
+        """May a waiter near its deadline pass the turn-holder (of `turn_priority`), and a
+        slot held for a tighter class? From a lower priority band, yes: strict priority would
+        otherwise starve it. In the same band only while its class is under its fair share of
+        the slots (or none is known yet): the fair order already serves a class over its
+        share its due, and under overload its queue is always full of waiters near their
+        deadline — passing, they would take the slots of the classes under theirs."""
+        if turn_priority is not None and waiter.priority < turn_priority:
+            return True
+        share, in_flight = self._slot_shares(loads)
+        return not share or under_share(waiter.ctx.target.name, share, in_flight)
+
     def _held_back(self, cls: str, model: str, loads: list[ReplicaLoad]) -> bool:
         """Should a request of `cls` leave the model's free slots to classes with a TTFT
         target tighter than its own that are under their fair share of the slots
@@ -815,7 +828,7 @@ class AdmissionController:
         for w in self.fair.order(arriving, weight, min_share):
             other = w.ctx.target
             if reserved and w is not arriving and other.name != cls \
-                    and other.ttft_ms > ttft_ms and not under_share(other.name, share,
+                    and other.ttft_ms >= ttft_ms and not under_share(other.name, share,
                                                                      in_flight):
                 continue
             if w is arriving:
@@ -902,12 +915,12 @@ class AdmissionController:
     async def _drain(self) -> None:
         """Admit queued requests in fair order where they now fit; reject those whose TTFT is
         out of reach. The first waiter that must wait holds back the ones after it on the same
-        model (unless they are in the last quarter of their TTFT budget), so the next free
-        capacity is its."""
+        model, so the next free capacity is its (unless they are in the last quarter of their
+        TTFT budget and of a lower priority band, or of a class under its share: _may_pass)."""
         try:
             # per model: its slots, handed out in fair order (start_time.py)
             plans: dict[str, SlotPlan] = {}
-            blocked: set[str] = set()  # models whose turn-holder is waiting
+            blocked: dict[str, int] = {}  # models whose turn-holder is waiting: its priority
             # shared state: the tickets of this pass whose global slots are being asked for
             deferred: list[tuple[Ticket, asyncio.Future[bool]]] = []
             granted: list[Waiter] = []
@@ -925,7 +938,8 @@ class AdmissionController:
                 plan = plans.get(model)
                 if plan is None:
                     plan = plans[model] = self._plan(loads)
-                urgent = self._urgent(waiter)
+                urgent = self._urgent(waiter) and self._may_pass(
+                    waiter, blocked.get(model), loads)
                 if model not in blocked and not urgent and self._held_back(
                         ctx.target.name, model, loads):
                     # it leaves the slot to a class under its share, and holds nobody back;
@@ -962,7 +976,7 @@ class AdmissionController:
                         waiter.future.set_exception(e)
                     self._take_out(waiter)
                     continue
-                blocked.add(model)
+                blocked.setdefault(model, waiter.priority)
             for waiter, (ticket, slot) in zip(granted, deferred, strict=True):
                 try:
                     ok = await slot

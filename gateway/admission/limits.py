@@ -21,8 +21,10 @@ order of magnitude. That jump is the signal, as in Envoy's adaptive_concurrency 
   (the engine queued it: its batch is below N);
 - samples are judged in rounds of `limit` samples (one round trip's worth). Multiplicative
   decrease: x BACKOFF after a round where more than SLOW_SHARE of the samples were slow (a
-  surplus parked in the engine; a rare outlier is not one; a probe's, below, does not count:
-  coming down one step answered it), never below `min_limit`. Increase,
+  surplus parked in the engine; a rare outlier is not one; a probe's, below, and slow start's
+  do not count: coming down to the level below them answered them), never below `min_limit`
+  nor below the level served unqueued since the last slow sample (each slow sample has
+  already brought the limit below its own level). Increase,
   only while the limit binds (at least 80 % of it in use: an idle replica teaches nothing about
   its capacity) and while the round has seen no slow sample: +1 per sample until the first
   decrease (slow start, as TCP), then +1 every two rounds (probing slowly above a limit that
@@ -34,7 +36,10 @@ Once the limit has come down, it knows a level the engine serves without queuein
 the most requests in flight at a dispatch whose sample was not slow since the last slow one
 (after the first cut, PROOF such samples above it raise it one step: the gateway's count of
 its requests in flight is not the engine's occupancy — a stream the engine has finished may
-still be relaying — so one unqueued sample at a level is luck, not proof).
+still be relaying — so one unqueued sample at a level is luck, not proof; and a sample counts
+as unqueued only within CLEAN x the floor of the baseline: above the batch a request waits in
+the engine until a running stream ends, often for less than the floor, which is not slow but
+no proof either).
 A dispatch above it is a *probe*: it may wait in the engine's queue for a running stream to
 end. The controller predicts that wait for it (a tight class then waits in the gateway's
 queue instead, where the fair order applies) and does not teach the TTFT estimator a probe's
@@ -53,6 +58,10 @@ FLOOR_S = 0.25
 BACKOFF = 0.85
 SLOW_SHARE = 0.1
 PROOF = 3  # unqueued samples above the proven level (since the last slow one) that raise it one
+# ... unqueued: within this share of the floor of the 10th percentile. Above the batch a request
+# waits in the engine until a running stream ends, often less than the floor: not slow, but
+# no proof either
+CLEAN = 0.2
 
 
 class AdaptiveLimit:
@@ -110,7 +119,7 @@ class AdaptiveLimit:
             # A probe that queued is answered by coming down to the level below it (next);
             # only slow samples at levels the engine had served count towards a backoff
             # (counting the probe too took the limit below the batch after every probe).
-            if not self.probe(in_flight):
+            if self.cuts and not self.probe(in_flight):
                 self.round_slow += 1
             self.proven = min(self.proven, in_flight - 1)
             self._proof = 0
@@ -123,7 +132,8 @@ class AdaptiveLimit:
         else:
             if not self.cuts:
                 self.proven = max(self.proven, in_flight)
-            elif in_flight > self.proven:
+            elif in_flight > self.proven and queueing_s <= max(
+                    self.tolerance * self._quartile, (base or 0.0) + CLEAN * self.floor_s):
                 self._proof += 1
                 if self._proof >= PROOF:
                     self.proven, self._proof = self.proven + 1, 0
@@ -132,7 +142,10 @@ class AdaptiveLimit:
                 self.limit = min(float(self.max_limit), self.limit + step)
         if self.round_n >= max(4.0, self.limit):
             if self.round_slow > SLOW_SHARE * self.round_n:
-                self.limit = max(float(self.min_limit), self.limit * BACKOFF)
+                # never below the level served unqueued since the last slow sample: each
+                # slow one has already brought the limit (and that level) below its own
+                self.limit = max(float(self.min_limit), float(self.proven),
+                                 self.limit * BACKOFF)
                 self.cuts += 1
             self.round_n = self.round_slow = 0
         return slow

@@ -121,6 +121,48 @@ def test_slow_start_overshooting_the_batch_is_judged_from_its_first_samples() ->
     assert lim.value <= 9 and lim.cuts > 0
 
 
+def test_slow_start_overshooting_is_answered_by_the_cut_alone_not_a_backoff_below_it() -> None:
+    """The first tokens that queued behind a full batch of 8 in slow start bring the limit
+    down to the batch: they are answered by that cut, and the round they end does not back
+    off below it (a level the engine had served: x 0.85 took a batch-8 engine to 6)."""
+    lim = AdaptiveLimit(initial=4, min_limit=2, max_limit=256)
+    while lim.value < 10:  # slow start: +1 per sample while the limit is in use
+        lim.sample(0.02, in_flight=min(8, lim.value))
+    assert lim.cuts == 0
+    for n in (9, 10, 10, 9):
+        assert lim.sample(0.6, in_flight=n)
+    for _ in range(8):
+        lim.sample(0.02, in_flight=8)
+    assert lim.value == 8 and lim.proven == 8, lim.snapshot()
+
+
+def test_a_level_is_proven_by_unqueued_samples_not_by_short_engine_queueing() -> None:
+    """Above the proven level a request waits in the engine until a running stream ends:
+    often less than the slow threshold (floor 250 ms). Such first tokens are not slow, but
+    they are not proof that the engine takes one more either: only samples near the
+    unqueued ones are."""
+    lim = AdaptiveLimit(initial=8, min_limit=2, max_limit=256)
+    for _ in range(4):
+        lim.sample(0.02, in_flight=8)
+    assert lim.sample(0.9, in_flight=9)  # slow start's first overshoot: proven 8
+    for _ in range(40):
+        lim.sample(0.02, in_flight=8)
+    assert lim.proven == 8
+    for _ in range(6):  # queued 150-200 ms behind the batch: not slow, no proof
+        assert not lim.sample(0.18, in_flight=9)
+    assert lim.proven == 8 and lim.probe(9)
+    for _ in range(3):
+        lim.sample(0.03, in_flight=9)
+    assert lim.proven == 9
+    # proven by luck after all: one that queued longer comes back to 8, and the round it
+    # ends in backs off no further (x 0.85 took it to 6, under the batch)
+    lim.limit = 9.0
+    assert lim.sample(0.9, in_flight=9) and lim.value == 8
+    for _ in range(8):
+        lim.sample(0.02, in_flight=8)
+    assert lim.value == 8 and lim.proven == 8, lim.snapshot()
+
+
 def test_a_probe_above_the_proven_level_is_answered_by_one_step_down_not_a_backoff() -> None:
     """Once the limit has come down, the level the engine served unqueued is known; a
     dispatch above it is a probe. One that queued brings the limit back to the proven level,
@@ -131,7 +173,7 @@ def test_a_probe_above_the_proven_level_is_answered_by_one_step_down_not_a_backo
         lim.sample(0.02, in_flight=8)
     assert lim.sample(0.9, in_flight=9)  # slow start's first overshoot
     assert lim.value == 8 and lim.cuts == 1
-    for _ in range(40):
+    for _ in range(20):
         lim.sample(0.02, in_flight=8)
     assert lim.proven == 8 and lim.probe(9) and not lim.probe(8)
     probing = lim.value

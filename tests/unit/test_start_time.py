@@ -12,7 +12,13 @@ import pytest
 from gateway.admission.controller import AdmissionController, ReplicaLoad, Ticket
 from gateway.admission.estimator import ReplicaEstimator
 from gateway.admission.fairness import FairQueue
-from gateway.admission.reserve import Demand, fair_shares, reserved_slots, slot_shares
+from gateway.admission.reserve import (
+    MAX_HELD,
+    Demand,
+    fair_shares,
+    reserved_slots,
+    slot_shares,
+)
 from gateway.admission.start_time import SlotPlan, Slots, minimal_ttft_s, remaining_s
 from gateway.errors import GatewayError
 from gateway.exchange import Exchange
@@ -144,21 +150,41 @@ def test_a_loose_class_over_its_share_leaves_the_tight_class_its_deficit() -> No
     share = slot_shares(d, 8, 2.0, 10.0)  # each needs 8 slots: 4 each
     assert share == pytest.approx({"tight": 4.0, "loose": 4.0})
     in_flight = {"tight": 1, "loose": 5}
-    # the tight class's deficit (3), at most one, for two of its gaps between arrivals (0.25 s)
-    assert reserved_slots("loose", d, share, in_flight, 10.0) == (1, pytest.approx(0.5))
+    # the tight class's deficit (3), for two of its gaps between arrivals (0.25 s)
+    assert reserved_slots("loose", d, share, in_flight, 10.0) == (3, pytest.approx(0.5))
+    assert reserved_slots("loose", d, share, {"tight": 0, "loose": 5}, 10.0)[0] == MAX_HELD
     assert reserved_slots("loose", d, share, {"tight": 3, "loose": 4}, 10.0)[0] == 1
     assert reserved_slots("tight", d, share, in_flight, 10.0)[0] == 0  # under its own share
     # over its share, but nothing tighter is under its own: the loose class holds nothing
     assert reserved_slots("tight", d, share, {"tight": 5, "loose": 1}, 10.0)[0] == 0
 
 
-def test_tenants_with_the_same_target_hold_no_slots_for_each_other() -> None:
-    """Between classes of one target the queue's fair order decides who a slot serves."""
+def test_a_class_of_the_same_target_over_its_share_leaves_one_under_its_share_a_slot() -> None:
+    """One flooding class beside another of the same tight target: the fair order puts the
+    other first, but its turn comes when the next slot frees, often too late for the target.
+    So the flooding one leaves it its deficit free too; the tight class holds none for a
+    looser one."""
     d = demands(0.0, a=(9.0, 1.0, 0.28), b=(1.8, 1.0, 0.28), tight=(1.8, 1.0, 0.14))
     share = slot_shares(d, 8, 2.2, 0.0)  # a third of the slots each
     assert share["b"] == pytest.approx(share["tight"]) == pytest.approx(8 / 3)
-    assert reserved_slots("a", d, share, {"a": 6, "tight": 1}, 0.0)[0] == 1  # tight's deficit
-    assert reserved_slots("a", d, share, {"a": 5, "tight": 3}, 0.0)[0] == 0  # b's: none
+    assert reserved_slots("a", d, share, {"a": 6, "b": 2, "tight": 0}, 0.0)[0] == 3  # tight's
+    assert reserved_slots("a", d, share, {"a": 6, "b": 0, "tight": 3}, 0.0)[0] == 3  # b's
+    assert reserved_slots("a", d, share, {"a": 5, "b": 1, "tight": 2}, 0.0)[0] == 2  # both
+    assert reserved_slots("a", d, share, {"a": 4, "b": 3, "tight": 3}, 0.0)[0] == 0
+    assert reserved_slots("tight", d, share, {"a": 2, "b": 1, "tight": 5}, 0.0)[0] == 0
+
+
+def test_a_class_that_starts_is_measured_at_its_rate_within_seconds() -> None:
+    """A class whose demand begins (or resumes after a pause) is entitled to its share at
+    once: its arrival rate is the decayed count over the part of the window it has been
+    arriving, not over the whole window (that took RATE_TAU_S to reach the rate, and a
+    flooding class took the slots meanwhile)."""
+    d = Demand(0.0, 1.0, 0.28, first_s=0.0)
+    for i in range(1, 9):  # 4 /s for 2 s
+        d.arrive(i * 0.25, 1.0, 0.28)
+    assert d.rate_at(2.0) == pytest.approx(4.0, rel=0.15)
+    d.arrive(20.0, 1.0, 0.28)  # after a pause: measured afresh, over at least a second
+    assert d.rate_at(20.0) == pytest.approx(1.0 / 5.0 / -math.expm1(-1.0 / 5.0))
 
 
 def test_a_class_refused_for_something_a_slot_does_not_cure_holds_none() -> None:
@@ -189,7 +215,7 @@ async def loose_waiter_beside_tight_demand(
     load.holds, load.hold_s = 10, 2.0
     for _ in range(loose_in_flight):
         await ctrl.admit(request(clock, "loose", 0, 60), FAMILY, BODY, None, output_tokens=10)
-    tight = ctrl._demand.setdefault("tight", Demand(0.0, 1.0, 0.5))
+    tight = ctrl._demand.setdefault("tight", Demand(clock() / 1e9, 1.0, 0.5))
     for _ in range(tight_arrivals):
         tight.arrive(clock() / 1e9, 1.0, 0.5)
     tight.used_s = clock() / 1e9
@@ -231,6 +257,38 @@ async def test_a_held_slot_nobody_takes_is_anyones_after_two_of_the_tight_gaps()
     clock.advance(0.9)
     await ctrl._drain()
     await asyncio.wait_for(task, 1)
+    await ctrl.close()
+
+
+async def test_a_waiter_over_its_share_near_its_deadline_leaves_the_held_slot_to_the_tight(
+        ) -> None:
+    """The last quarter of a waiter's budget lets it pass only from a lower priority band or
+    while its class is under its share: under overload the queue of a class over its share is
+    always full of waiters near their deadline, and passing they took every slot held for the
+    tight class (a class weighted 3:1 got half its share, the other twice its)."""
+    clock = FakeClock()
+    ctrl = controller(clock, cap=6)
+    load = next(iter(ctrl.loads.values()))
+    load.holds, load.hold_s = 10, 2.0
+    for _ in range(5):
+        await ctrl.admit(request(clock, "loose", 0, 60), FAMILY, BODY, None, output_tokens=10)
+    tight = ctrl._demand.setdefault("tight", Demand(clock() / 1e9, 1.0, 0.5))
+    for _ in range(5):  # 1 /s: the held slot waits up to two gaps, 2 s
+        tight.arrive(clock() / 1e9, 1.0, 0.5)
+    tight.used_s = clock() / 1e9
+    loose = request(clock, "loose", 0, 2.0)
+    task = asyncio.create_task(ctrl.admit(loose, FAMILY, BODY, None, output_tokens=10))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert loose.admission == ("queued", "fair_wait")
+    clock.advance(1.6)  # 0.4 s of its 2 s left: the last quarter
+    assert ctrl._urgent(ctrl.queue[0])
+    await ctrl._drain()
+    assert not task.done() and load.in_flight == 5
+    clock.advance(0.5)  # the slot waited its bound: anyone's
+    await ctrl._drain()
+    with pytest.raises(GatewayError):  # too late now for its own target
+        await asyncio.wait_for(task, 1)
     await ctrl.close()
 
 
