@@ -205,10 +205,11 @@ def test_a_class_that_asks_for_little_holds_little_and_nothing_once_its_demand_s
 
 
 async def loose_waiter_beside_tight_demand(
-        cap: int, loose_in_flight: int, tight_arrivals: int
+        cap: int, loose_in_flight: int, tight_arrivals: int, loose_ttft_s: float = 60.0
         ) -> tuple[FakeClock, AdmissionController, ReplicaLoad, Exchange, asyncio.Task[Ticket]]:
     """`loose_in_flight` loose streams on `cap` slots (slot holds learned: 2 s), the tight
-    class's recent arrivals (refused for want of a slot), and one more loose request, queued."""
+    class's recent arrivals (refused for want of a slot), and one more loose request (of
+    `loose_ttft_s`), queued."""
     clock = FakeClock()
     ctrl = controller(clock, cap=cap)
     load = next(iter(ctrl.loads.values()))
@@ -219,7 +220,7 @@ async def loose_waiter_beside_tight_demand(
     for _ in range(tight_arrivals):
         tight.arrive(clock() / 1e9, 1.0, 0.5)
     tight.used_s = clock() / 1e9
-    loose = request(clock, "loose", 0, 60)
+    loose = request(clock, "loose", 0, loose_ttft_s)
     task = asyncio.create_task(ctrl.admit(loose, FAMILY, BODY, None, output_tokens=10))
     for _ in range(20):
         await asyncio.sleep(0)
@@ -266,21 +267,8 @@ async def test_a_waiter_over_its_share_near_its_deadline_leaves_the_held_slot_to
     while its class is under its share: under overload the queue of a class over its share is
     always full of waiters near their deadline, and passing they took every slot held for the
     tight class (a class weighted 3:1 got half its share, the other twice its)."""
-    clock = FakeClock()
-    ctrl = controller(clock, cap=6)
-    load = next(iter(ctrl.loads.values()))
-    load.holds, load.hold_s = 10, 2.0
-    for _ in range(5):
-        await ctrl.admit(request(clock, "loose", 0, 60), FAMILY, BODY, None, output_tokens=10)
-    tight = ctrl._demand.setdefault("tight", Demand(clock() / 1e9, 1.0, 0.5))
-    for _ in range(5):  # 1 /s: the held slot waits up to two gaps, 2 s
-        tight.arrive(clock() / 1e9, 1.0, 0.5)
-    tight.used_s = clock() / 1e9
-    loose = request(clock, "loose", 0, 2.0)
-    task = asyncio.create_task(ctrl.admit(loose, FAMILY, BODY, None, output_tokens=10))
-    for _ in range(20):
-        await asyncio.sleep(0)
-    assert loose.admission == ("queued", "fair_wait")
+    # tight arrivals at 1 /s: the held slot waits up to two gaps, 2 s
+    clock, ctrl, load, _, task = await loose_waiter_beside_tight_demand(6, 5, 5, 2.0)
     clock.advance(1.6)  # 0.4 s of its 2 s left: the last quarter
     assert ctrl._urgent(ctrl.queue[0])
     await ctrl._drain()
