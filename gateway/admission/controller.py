@@ -690,9 +690,9 @@ class AdmissionController:
         return not share or under_share(waiter.ctx.target.name, share, in_flight)
 
     def _held_back(self, cls: str, model: str, loads: list[ReplicaLoad]) -> bool:
-        """Should a request of `cls` leave the model's free slots to classes with a TTFT
-        target tighter than its own that are under their fair share of the slots
-        (admission/reserve.py)? Never while `cls` is itself under its share, nor once the
+        """Should a request of `cls` leave the model's free slots to classes under their fair
+        share of the slots with a TTFT target as tight as its own or tighter (strictly
+        tighter while `cls` is under its own share: admission/reserve.py)? Not once the
         slots waited their bound with nobody admitted."""
         free = sum(max(0, load.limit() - load.in_flight) for load in loads
                    if load.replica.available())
@@ -820,16 +820,17 @@ class AdmissionController:
         """An arrival's predicted wait for a slot (s) where the fair order would place it, and
         the prompt tokens of the waiters ahead that start beside it."""
         plan = self._plan(loads, arriving.tenant)
-        # An arrival under its class's share of the slots: the waiters ahead of classes over
-        # theirs, with a looser TTFT target, leave the free slots to it.
+        # An arrival under its class's share of the slots: the waiters ahead of classes with a
+        # looser TTFT target, and of classes of its target over their share, leave the free
+        # slots to it (reserve.py).
         cls, ttft_ms = arriving.ctx.target.name, arriving.ctx.target.ttft_ms
         share, in_flight = self._slot_shares(loads)
         reserved = under_share(cls, share, in_flight)
         for w in self.fair.order(arriving, weight, min_share):
             other = w.ctx.target
-            if reserved and w is not arriving and other.name != cls \
-                    and other.ttft_ms >= ttft_ms and not under_share(other.name, share,
-                                                                     in_flight):
+            if reserved and w is not arriving and other.name != cls and (
+                    other.ttft_ms > ttft_ms or other.ttft_ms == ttft_ms
+                    and not under_share(other.name, share, in_flight)):
                 continue
             if w is arriving:
                 start = plan.take(w.out_tokens, w.tokens)

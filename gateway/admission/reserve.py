@@ -8,7 +8,10 @@ model's slots (water-filling: a class whose arrival rate x slot hold time needs 
 gets what it needs, the rest is split by weight). A request of a class at or over its
 entitlement may not take a slot that would leave fewer free slots than the deficits
 (entitlement less slots in flight) of the classes under theirs whose TTFT target is as tight
-as its own or tighter, up to MAX_HELD: those slots wait for them. Between classes of the same
+as its own or tighter, up to MAX_HELD: those slots wait for them. A class under its own share
+leaves them to the classes under theirs with a strictly tighter target (with three classes,
+the middle one, under its share too, took the slots the tightest needed on arrival, and
+could have waited for the next). Between classes of the same
 target too: the fair order puts the one under its share first, but its turn comes when the
 next slot frees, and a tight target often cannot wait that long (one flooding class took every
 slot that freed, the other was refused). More than one slot is held because a tight class's
@@ -110,15 +113,17 @@ def under_share(cls: str, share: Mapping[str, float], in_flight: Mapping[str, in
 def reserved_slots(taker: str, demands: Mapping[str, Demand], share: Mapping[str, float],
                    in_flight: Mapping[str, int], now_s: float) -> tuple[int, float]:
     """Free slots a request of class `taker` must leave: the deficits of the classes under
-    their `share` whose TTFT target is tighter than the taker's (0 when the taker itself is
-    under its share), and how long those slots may wait for them: HOLD_GAPS of their mean
-    gap between arrivals, at most ACTIVE_S. A slot held that long was not needed."""
-    if under_share(taker, share, in_flight):
-        return 0, 0.0
+    their `share` whose TTFT target is as tight as the taker's or tighter (strictly tighter
+    while the taker is itself under its share: the looser of two classes both short of their
+    share can wait for the next slot, the tighter cannot), and how long those slots may wait
+    for them: HOLD_GAPS of their mean gap between arrivals, at most ACTIVE_S. A slot held
+    that long was not needed."""
+    under = under_share(taker, share, in_flight)
     own = demands[taker].ttft_s if taker in demands else math.inf
     deficit = rate = 0.0
     for c, s in share.items():
-        if c != taker and demands[c].ttft_s <= own and s > in_flight.get(c, 0):
+        tighter = demands[c].ttft_s < own if under else demands[c].ttft_s <= own
+        if c != taker and tighter and s > in_flight.get(c, 0):
             deficit += s - in_flight.get(c, 0)
             rate += demands[c].rate_at(now_s)
     slots = min(MAX_HELD, math.floor(deficit + 0.5))

@@ -159,6 +159,19 @@ def test_a_loose_class_over_its_share_leaves_the_tight_class_its_deficit() -> No
     assert reserved_slots("tight", d, share, {"tight": 5, "loose": 1}, 10.0)[0] == 0
 
 
+def test_a_class_under_its_share_leaves_free_slots_to_a_tighter_one_under_its_own() -> None:
+    """Three classes, each short of its third of the slots: the middle one can wait for the
+    next slot to free, the tightest cannot, so the middle one leaves the tightest its deficit
+    (and holds nothing for the loosest, nor for one of its own target under its share)."""
+    d = demands(0.0, fast=(3.0, 1.0, 0.14), mid=(3.0, 1.0, 0.7), slow=(3.0, 1.0, 2.8))
+    share = slot_shares(d, 9, 2.0, 0.0)  # three each
+    assert reserved_slots("mid", d, share, {"fast": 1, "mid": 2, "slow": 0}, 0.0)[0] == 2
+    assert reserved_slots("fast", d, share, {"fast": 1, "mid": 0, "slow": 0}, 0.0)[0] == 0
+    twin = demands(0.0, a=(3.0, 1.0, 0.28), b=(3.0, 1.0, 0.28))
+    twin_share = slot_shares(twin, 6, 2.0, 0.0)
+    assert reserved_slots("a", twin, twin_share, {"a": 1, "b": 0}, 0.0)[0] == 0
+
+
 def test_a_class_of_the_same_target_over_its_share_leaves_one_under_its_share_a_slot() -> None:
     """One flooding class beside another of the same tight target: the fair order puts the
     other first, but its turn comes when the next slot frees, often too late for the target.
