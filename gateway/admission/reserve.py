@@ -35,7 +35,9 @@ from dataclasses import dataclass
 
 ACTIVE_S = 2.0  # a class that had an arrival this recently has demand
 RATE_TAU_S = 5.0  # the arrival rate's memory
-MIN_SEEN_S = 1.0  # a rate is not measured over less than this
+# a rate is not measured over less than this: one arrival after a pause reads as one per
+# ACTIVE_S (about 0.6 /s), not as the start of a flood
+MIN_SEEN_S = ACTIVE_S
 MAX_HELD = 3  # at most this many free slots wait: each one idles the engine until taken
 HOLD_GAPS = 2.0  # free slots wait this many of the held-for classes' gaps between arrivals
 
@@ -65,8 +67,8 @@ class Demand:
     def rate_at(self, now_s: float) -> float:
         """Arrivals per second. The decayed sum of a demand that began less than RATE_TAU_S
         ago holds only part of a window: divided by that part, so a class that starts is
-        entitled to its share within a second or two, not after RATE_TAU_S (the flooding
-        class took every slot meanwhile)."""
+        entitled to its share within MIN_SEEN_S, not after RATE_TAU_S (the flooding class
+        took every slot meanwhile)."""
         seen = max(MIN_SEEN_S, now_s - self.first_s)
         return self._decayed(now_s) / -math.expm1(-seen / RATE_TAU_S)
 

@@ -196,8 +196,8 @@ def test_a_class_that_starts_is_measured_at_its_rate_within_seconds() -> None:
     for i in range(1, 9):  # 4 /s for 2 s
         d.arrive(i * 0.25, 1.0, 0.28)
     assert d.rate_at(2.0) == pytest.approx(4.0, rel=0.15)
-    d.arrive(20.0, 1.0, 0.28)  # after a pause: measured afresh, over at least a second
-    assert d.rate_at(20.0) == pytest.approx(1.0 / 5.0 / -math.expm1(-1.0 / 5.0))
+    d.arrive(20.0, 1.0, 0.28)  # after a pause: measured afresh, over at least 2 s
+    assert d.rate_at(20.0) == pytest.approx(1.0 / 5.0 / -math.expm1(-2.0 / 5.0))
 
 
 def test_a_class_refused_for_something_a_slot_does_not_cure_holds_none() -> None:
