@@ -48,7 +48,13 @@ from gateway.admission.quotas import (
     TenantQuotas,
     charged_tokens,
 )
-from gateway.admission.reserve import Demand, reserved_slots, slot_shares, under_share
+from gateway.admission.reserve import (
+    Demand,
+    holds_for,
+    reserved_slots,
+    slot_shares,
+    under_share,
+)
 from gateway.admission.shed_log import ShedLog
 from gateway.admission.start_time import SlotPlan, Slots, minimal_ttft_s, remaining_s
 from gateway.config import OPEN_POLICY, AdmissionConfig, TenantPolicy
@@ -828,9 +834,8 @@ class AdmissionController:
         reserved = under_share(cls, share, in_flight)
         for w in self.fair.order(arriving, weight, min_share):
             other = w.ctx.target
-            if reserved and w is not arriving and other.name != cls and (
-                    other.ttft_ms > ttft_ms or other.ttft_ms == ttft_ms
-                    and not under_share(other.name, share, in_flight)):
+            if reserved and w is not arriving and other.name != cls and holds_for(
+                    other.ttft_ms, under_share(other.name, share, in_flight), ttft_ms):
                 continue
             if w is arriving:
                 start = plan.take(w.out_tokens, w.tokens)

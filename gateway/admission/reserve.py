@@ -112,6 +112,13 @@ def under_share(cls: str, share: Mapping[str, float], in_flight: Mapping[str, in
     return cls in share and in_flight.get(cls, 0) < share[cls] - 0.5
 
 
+def holds_for(taker_ttft_s: float, taker_under: bool, other_ttft_s: float) -> bool:
+    """Does a request of a class with `taker_ttft_s` (under its share or not) leave free slots
+    to a class of `other_ttft_s` under its share? For a tighter one always, for one of its own
+    target only while it is itself at or over its share."""
+    return other_ttft_s < taker_ttft_s or (other_ttft_s == taker_ttft_s and not taker_under)
+
+
 def reserved_slots(taker: str, demands: Mapping[str, Demand], share: Mapping[str, float],
                    in_flight: Mapping[str, int], now_s: float) -> tuple[int, float]:
     """Free slots a request of class `taker` must leave: the deficits of the classes under
@@ -124,8 +131,8 @@ def reserved_slots(taker: str, demands: Mapping[str, Demand], share: Mapping[str
     own = demands[taker].ttft_s if taker in demands else math.inf
     deficit = rate = 0.0
     for c, s in share.items():
-        tighter = demands[c].ttft_s < own if under else demands[c].ttft_s <= own
-        if c != taker and tighter and s > in_flight.get(c, 0):
+        if c != taker and holds_for(own, under, demands[c].ttft_s) \
+                and s > in_flight.get(c, 0):
             deficit += s - in_flight.get(c, 0)
             rate += demands[c].rate_at(now_s)
     slots = min(MAX_HELD, math.floor(deficit + 0.5))
