@@ -700,10 +700,13 @@ class AdmissionController:
         share of the slots with a TTFT target as tight as its own or tighter (strictly
         tighter while `cls` is under its own share: admission/reserve.py)? Not once the
         slots waited their bound with nobody admitted."""
-        free = sum(max(0, load.limit() - load.in_flight) for load in loads
-                   if load.replica.available())
-        if free <= 0:
+        # Only slots the engine serves unqueued count as free: one above the proven level
+        # (a probe) puts its request in the engine's own queue, ahead of the next arrival
+        # of the class the slots are held for, whose turn then comes when a stream ends.
+        avail = [load for load in loads if load.replica.available()]
+        if all(load.in_flight >= load.limit() for load in avail):
             return False
+        free = sum(max(0, load.limit() - load.in_flight - load.unproven()) for load in avail)
         share, in_flight = self._slot_shares(loads)
         if not share:
             return False

@@ -218,15 +218,20 @@ def test_a_class_that_asks_for_little_holds_little_and_nothing_once_its_demand_s
 
 
 async def loose_waiter_beside_tight_demand(
-        cap: int, loose_in_flight: int, tight_arrivals: int, loose_ttft_s: float = 60.0
+        cap: int, loose_in_flight: int, tight_arrivals: int, loose_ttft_s: float = 60.0,
+        proven: int | None = None
         ) -> tuple[FakeClock, AdmissionController, ReplicaLoad, Exchange, asyncio.Task[Ticket]]:
     """`loose_in_flight` loose streams on `cap` slots (slot holds learned: 2 s), the tight
     class's recent arrivals (refused for want of a slot), and one more loose request (of
-    `loose_ttft_s`), queued."""
+    `loose_ttft_s`), queued. With `proven`, the adaptive limit probes at `cap` above that
+    level (admission/limits.py)."""
     clock = FakeClock()
     ctrl = controller(clock, cap=cap)
     load = next(iter(ctrl.loads.values()))
     load.holds, load.hold_s = 10, 2.0
+    if proven is not None:
+        assert load.adaptive is not None
+        load.adaptive.limit, load.adaptive.cuts, load.adaptive.proven = float(cap), 1, proven
     for _ in range(loose_in_flight):
         await ctrl.admit(request(clock, "loose", 0, 60), FAMILY, BODY, None, output_tokens=10)
     tight = ctrl._demand.setdefault("tight", Demand(clock() / 1e9, 1.0, 0.5))
@@ -258,6 +263,22 @@ async def test_a_loose_waiter_leaves_the_last_free_slot_to_a_tight_class_under_i
     await ctrl._drain()
     await asyncio.wait_for(task, 1)
     assert load.by_class == {"loose": 5, "tight": 1}
+    await ctrl.close()
+
+
+async def test_a_slot_above_the_proven_level_is_not_a_free_slot_to_hold_for_the_tight() -> None:
+    """The limit probes at 8 above the 6 slots the engine has served unqueued: a request sent
+    into one of the two above waits in the engine's own queue. Five loose streams run and the
+    tight class is two slots short of its share. Three slots are free, but only one below the
+    proven level: the loose request waits for it too, and the tight one that arrives next is
+    admitted on it instead of behind the loose one in the engine's queue."""
+    clock, ctrl, load, loose, task = await loose_waiter_beside_tight_demand(8, 5, 5, proven=6)
+    assert load.limit() - load.in_flight == 3 and load.unproven() == 2
+    tight = request(clock, "tight", 0, ttft_s=0.5)
+    ticket = await asyncio.wait_for(ctrl.admit(tight, FAMILY, BODY, None, output_tokens=10), 1)
+    assert ticket.slo_class == "tight" and not ticket.probe
+    assert not task.done()
+    task.cancel()
     await ctrl.close()
 
 
