@@ -20,11 +20,16 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import pytest
 import redis.asyncio as aioredis
 
 from tests.support.procs import Proc, slogate
 from tests.support.redis_server import redis_server
 from tests.support.waiting import wait_until
+
+# The heaviest load tests run one after another on one xdist worker (`--dist loadgroup`),
+# so two of them never share the 2 cores and each keeps its timing margins.
+pytestmark = pytest.mark.xdist_group("heavy-load")
 
 CAP = 4  # per replica, global
 TOKENS = 25

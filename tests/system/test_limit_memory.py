@@ -14,9 +14,14 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from benchmarks import soak_hostile
 from benchmarks.procstat import rss_mib
+
+# The heaviest load tests run one after another on one xdist worker (`--dist loadgroup`),
+# so two of them never share the 2 cores and each keeps its timing margins.
+pytestmark = pytest.mark.xdist_group("heavy-load")
 
 # one upstream limit hit per request, except those retried before the first token (two)
 MIX = ("flood-json", "bomb", "flood-line", "huge-event", "flood-after", "flood-prefirst")

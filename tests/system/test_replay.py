@@ -14,9 +14,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from gateway.ops import loadgen, replay
 from tests.support.procs import sim_and_gateway
 from tests.support.waiting import wait_until
+
+# The heaviest load tests run one after another on one xdist worker (`--dist loadgroup`),
+# so two of them never share the 2 cores and each keeps its timing margins.
+pytestmark = pytest.mark.xdist_group("heavy-load")
 
 SIM_ARGS = ("--max-batch", "8", "--prefill-tokens-per-s", "20000", "--decode-base-ms", "8")
 CONFIG = """

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from benchmarks import soak_hostile
+
+# The heaviest load tests run one after another on one xdist worker (`--dist loadgroup`),
+# so two of them never share the 2 cores and each keeps its timing margins.
+pytestmark = pytest.mark.xdist_group("heavy-load")
 
 
 async def test_hostile_soak_short(tmp_path: Path) -> None:
