@@ -348,7 +348,8 @@ async def _client_run(spec: dict[str, Any]) -> dict[str, Any]:
                 if not u:
                     continue
                 try:
-                    async with session.get(u) as r:
+                    async with session.get(u, headers=spec.get("admin_headers")
+                                           if key == "admission" else None) as r:
                         d = await r.json(content_type=None)
                 except Exception:
                     continue
@@ -361,6 +362,11 @@ async def _client_run(spec: dict[str, Any]) -> dict[str, Any]:
                         s["gw_prefilling"] = rep.get("prefilling")
                         s["gw_prefill_tokens"] = rep.get("prefill_tokens")
                         s["gw_decoding"] = rep.get("decoding")
+                        s["gw_by_class"] = rep.get("by_class")
+                        s["gw_limit"] = rep.get("limit")
+                        s["gw_proven"] = (rep.get("concurrency") or {}).get("proven")
+                        s["gw_ttft_model"] = rep.get("ttft_model")
+                        s["gw_ttft_tenants"] = rep.get("ttft_tenants")
                 else:
                     s["sim_running"] = d.get("running")
                     s["sim_waiting"] = d.get("waiting")
@@ -1334,7 +1340,9 @@ def fairness_main(args: argparse.Namespace) -> int:
                     "window": window, "tail_cap": 0.0, "keys": keys,
                     "schedule": make_schedule(load * capacity, [warm, window, 0.0],
                                               args.seed + k, 0.0, classes),
-                    "sim_stats_url": f"{sim_base}/sim/stats"}
+                    "sim_stats_url": f"{sim_base}/sim/stats",
+                    "admin_url": f"{url}/admin/admission", "poll_s": 0.25,
+                    "admin_headers": {"Authorization": "Bearer bench-admin"}}
             label = f"{name}{' (' + variant + ')' if variant else ''}"
             print(f"{label}: {load:g}x capacity …", end=" ", flush=True)
             r = run_client(procs, tmp, f"fair-{safe}-{k}", spec, client_cpus)
@@ -1347,6 +1355,9 @@ def fairness_main(args: argparse.Namespace) -> int:
                     summary["admission_end"] = json.loads(resp.read())
             if args.decisions is not None:  # the flight recorder's ring, for a post-mortem
                 save_decisions(url, args.decisions / f"{safe}.jsonl")
+                # ... and what admission and the engine held, every 250 ms
+                with (args.decisions / f"{safe}.timeline.jsonl").open("w") as f:
+                    f.writelines(json.dumps(x) + "\n" for x in r.get("samples", []))
             os.killpg(p.pid, signal.SIGTERM)
             p.wait(timeout=40)
             wait_quiet(f"{sim_base}/sim/stats", None)

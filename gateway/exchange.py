@@ -106,6 +106,7 @@ class Exchange:
         "policy", "served_model",
         "admission", "t_queued", "t_admitted", "t_last_event", "t_dispatched", "attempts",
         "on_first_token", "candidates", "estimated_tokens", "predicted_wait_s",
+        "predicted_ttft_s",
         # the phases' working state
         "api", "operation", "key", "body", "parsed", "attempt", "ticket", "response",
         "retry_budget_at", "last_failure", "too_long_for", "streamed_text", "continued_from",
@@ -167,6 +168,9 @@ class Exchange:
         self.admission: tuple[str, str] | None = None  # (decision, reason)
         self.t_queued = 0  # entered the admission queue (0: never queued)
         self.predicted_wait_s: float | None = None  # admission's predicted queue wait
+        # ... and TTFT from received, padded by the stated error, where a refusal found the
+        # best case too late for the target
+        self.predicted_ttft_s: float | None = None
         self.t_admitted = 0  # left the admission queue (0: never queued)
         self.t_last_event = 0  # last upstream SSE event (idle deadline)
         self.t_dispatched = 0  # first upstream attempt sent (end of the gateway queue)

@@ -212,6 +212,7 @@ class ReplicaLoad:
     def snapshot(self) -> dict[str, Any]:
         return {"prefill_tokens": round(self.prefill_tokens), "prefilling": self.prefilling,
                 "decoding": self.decoding, "cap": self.cap, "limit": self.limit(),
+                "by_class": dict(self.by_class),
                 "concurrency": self.adaptive.snapshot() if self.adaptive is not None else None,
                 "engine": {"waiting": self.engine_waiting, "running": self.engine_running,
                            "kv_cache_usage": self.engine_kv_usage},
@@ -776,16 +777,18 @@ class AdmissionController:
         its turn at a slot in `wait_s` (its place in the fair order, start_time.py), then its
         prompt prefilled beside the `ahead_tokens` of those starting with it. Returns the
         predicted TTFT from now (point, not padded)."""
-        budget = ctx.target.ttft_ms / 1e3 - (self.clock() - ctx.t_received) / 1e9
+        target_s = ctx.target.ttft_ms / 1e3
+        budget = target_s - (self.clock() - ctx.t_received) / 1e9
         per_replica_ahead = ahead_tokens / max(1, len(loads))
         # The stated error pads the best case; the wait for a turn is added to the point
         # prediction only (padding both would shed requests that would have made it).
         tenant = ctx.tenant_label
         current = wait_s <= 0.0  # a later start finds today's prefill done
         point = self._best_case_s(loads, tokens + per_replica_ahead, 0.0, tenant, current)
-        if (self._best_case_s(loads, tokens + per_replica_ahead, tenant=tenant,
-                              current=current) > budget
-                or (wait_s and point + wait_s > budget)):
+        padded = self._best_case_s(loads, tokens + per_replica_ahead, tenant=tenant,
+                                   current=current)
+        if padded > budget or (wait_s and point + wait_s > budget):
+            ctx.predicted_ttft_s = target_s - budget + max(padded, point + wait_s)
             if wait_s and point <= budget:
                 self._used(ctx.target.name)  # a slot in time would have made it
             self._reject(ctx, SHED_TTFT_INFEASIBLE, self._retry_after_s(loads, wait_s),

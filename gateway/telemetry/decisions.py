@@ -83,6 +83,9 @@ def decision_record(ex: Exchange, split: TTFTSplit | None,
             "decision": decision, "reason": reason,
             "queue_wait_ms": _ms(durations.ADMISSION_WAIT.ns(ex)) or 0.0,
             "predicted_wait_ms": None if wait_s is None else round(wait_s * 1e3, 3),
+            # a refusal's best case from received (its wait for a turn included), padded
+            "predicted_ttft_ms": None if ex.predicted_ttft_s is None
+            else round(ex.predicted_ttft_s * 1e3, 1),
             "candidates": cands,
             "chosen": attempts[0]["backend"] if attempts else None,
         },

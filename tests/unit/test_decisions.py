@@ -25,7 +25,8 @@ INTERACTIVE = SLOClass("interactive", 400, 60)
 SCHEMA = {"t", "request_id", "tenant", "slo_class", "model", "route", "stream", "prompt_tokens",
           "estimated_prompt_tokens", "max_tokens", "completion_tokens", "admission", "attempts",
           "status", "outcome", "ttft_ms", "tpot_ms", "verdict"}
-ADMISSION = {"decision", "reason", "queue_wait_ms", "predicted_wait_ms", "candidates", "chosen"}
+ADMISSION = {"decision", "reason", "queue_wait_ms", "predicted_wait_ms", "predicted_ttft_ms",
+             "candidates", "chosen"}
 
 
 def refused(i: int = 0, tenant: str = "acme", cls: SLOClass = INTERACTIVE) -> Exchange:
@@ -115,6 +116,20 @@ def test_the_refusal_is_explained_from_its_candidates() -> None:
     assert row["why"] == ("refused: ttft_infeasible; best predicted TTFT 812 ms on a against a "
                           "400 ms target; b at its limit (8/8)")
     assert row["decision"] == "rejected" and len(row["candidates"]) == 2
+
+
+def test_a_refusal_on_arrival_says_what_its_best_case_was() -> None:
+    """Refused before any replica was weighed (its turn at a slot comes too late): the record
+    keeps the best case admission predicted, and the console says it against the target."""
+    ex = refused()
+    ex.candidates = None
+    ex.predicted_wait_s, ex.predicted_ttft_s = 0.31, 0.4624
+    rec = decision_record(ex, None)
+    assert rec["admission"]["predicted_ttft_ms"] == 462.4
+    assert rec["admission"]["predicted_wait_ms"] == 310.0
+    assert explain(rec)["why"] == (
+        "refused: ttft_infeasible; its best case a TTFT of 462 ms from arrival (its turn at "
+        "a slot and the stated error included) against a 400 ms target")
 
 
 def test_a_client_model_name_is_clipped_and_printable() -> None:
