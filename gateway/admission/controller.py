@@ -300,17 +300,25 @@ class Ticket:
             if not est.own_stall(self.work_at_dispatch, self.decoding_at_dispatch,
                                  self.ahead_at_dispatch, ttft - est.provider_queue_s,
                                  self.tenant, now / 1e9):
-                own = est.ttft.theta[0] + est.ttft.theta[1] * self.tokens / 1000.0
+                # Its prefill and that of the prompts ahead of it (the fit less its term
+                # for requests waiting): a short prompt behind a long one is not queued.
+                w = self.work_at_dispatch / 1000.0
+                theta = est.ttft.theta
+                own = theta[0] + (theta[1] + theta[2] * self.decoding_at_dispatch) * w
                 # Slow start, or a probe above the level the engine served unqueued,
                 # overshooting the engine's batch: a first token queued behind the full
                 # batch brings the limit down so that it does not recur, and the TTFT
                 # estimator must not learn it as the engine's speed (its spread would refuse
-                # tight classes long after). A slow first token at a proven level is the
-                # engine's (it slowed), and teaches both.
+                # tight classes long after). A probe teaches it only when it did not wait
+                # at all: one that waited a little for a stream to end is not slow, but
+                # padded with that wait, a tight class's every request was refused for
+                # 20 s. A slow first token at a proven level is the engine's (it slowed),
+                # and teaches both.
                 slow_start = load.adaptive.cuts == 0 and self.in_flight_at_dispatch > 1
-                slow = load.adaptive.sample(ttft - est.provider_queue_s - own,
-                                            self.in_flight_at_dispatch)
-                self.engine_queued = slow and (slow_start or self.probe)
+                queueing = ttft - est.provider_queue_s - own
+                slow = load.adaptive.sample(queueing, self.in_flight_at_dispatch)
+                self.engine_queued = (slow and slow_start) or (
+                    self.probe and not load.adaptive.unqueued(queueing))
         self.ctrl.wake()
 
     def move(self, replica: Replica) -> None:

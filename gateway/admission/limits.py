@@ -33,13 +33,14 @@ order of magnitude. That jump is the signal, as in Envoy's adaptive_concurrency 
   engine that publishes its batch size (`max_num_seqs`) through scraped metrics caps it too.
 
 Once the limit has come down, it knows a level the engine serves without queueing: `proven`,
-the most requests in flight at a dispatch whose sample was not slow since the last slow one
-(after the first cut, PROOF such samples above it raise it one step: the gateway's count of
-its requests in flight is not the engine's occupancy — a stream the engine has finished may
-still be relaying — so one unqueued sample at a level is luck, not proof; and a sample counts
-as unqueued only within CLEAN x the floor of the baseline: above the batch a request waits in
-the engine until a running stream ends, often for less than the floor, which is not slow but
-no proof either).
+the most requests in flight at a dispatch whose first token did not wait in the engine since
+the last slow one
+(after the first cut, PROOF such samples above it in a row raise it one step: the gateway's
+count of its requests in flight is not the engine's occupancy — a stream the engine has
+finished may still be relaying — so one unqueued sample at a level is luck, not proof; and a
+sample counts as unqueued only within CLEAN x the floor of the baseline: above the batch a
+request waits in the engine until a running stream ends, often for less than the floor,
+which is not slow but no proof either, and ends the row).
 A dispatch above it is a *probe*: it may wait in the engine's queue for a running stream to
 end. The controller predicts that wait for it (a tight class then waits in the gateway's
 queue instead, where the fair order applies) and does not teach the TTFT estimator a probe's
@@ -131,12 +132,22 @@ class AdaptiveLimit:
                 self.cuts = max(self.cuts, 1)
         else:
             if not self.cuts:
-                self.proven = max(self.proven, in_flight)
-            elif in_flight > self.proven and queueing_s <= max(
-                    self.tolerance * self._quartile, (base or 0.0) + CLEAN * self.floor_s):
-                self._proof += 1
-                if self._proof >= PROOF:
-                    self.proven, self._proof = self.proven + 1, 0
+                # slow start: a level served unqueued; one whose first token waited for a
+                # stream to end (not slow) is not (it set 9 on a batch-8 engine, whose 9th
+                # slot then took tight requests that waited there)
+                if self.unqueued(queueing_s):
+                    self.proven = max(self.proven, in_flight)
+            elif in_flight > self.proven:
+                if self.unqueued(queueing_s):
+                    self._proof += 1
+                    if self._proof >= PROOF:
+                        self.proven, self._proof = self.proven + 1, 0
+                else:
+                    # It waited, if less than a slow sample's margin: the level queues, and
+                    # the unqueued samples before it were streams ending just in time (one
+                    # probe in six above a batch-8 engine: three of them, not in a row,
+                    # proved a 9th slot, and tight requests sent into it waited there)
+                    self._proof = 0
             if in_flight >= 0.8 * self.value and not self.round_slow:
                 step = 1.0 if not self.cuts else 0.5 / max(1.0, self.limit)
                 self.limit = min(float(self.max_limit), self.limit + step)
@@ -149,6 +160,15 @@ class AdaptiveLimit:
                 self.cuts += 1
             self.round_n = self.round_slow = 0
         return slow
+
+    def unqueued(self, queueing_s: float) -> bool:
+        """Was a first token this far beyond its own prefill served without waiting in the
+        engine's queue (within CLEAN x the floor of the baseline)? Only such a sample proves
+        a level, and only such a probe may teach the TTFT estimator: above the batch a request
+        waits for a running stream to end, often for less than a slow sample's margin, and
+        taught, that wait pads every request of its tenant."""
+        return queueing_s <= max(self.tolerance * self._quartile,
+                                 (self._base or 0.0) + CLEAN * self.floor_s)
 
     def probe(self, in_flight: int) -> bool:
         """Would a dispatch with `in_flight` requests on the replica (itself included) be

@@ -136,17 +136,23 @@ def test_slow_start_overshooting_is_answered_by_the_cut_alone_not_a_backoff_belo
     assert lim.value == 8 and lim.proven == 8, lim.snapshot()
 
 
-def test_a_level_is_proven_by_unqueued_samples_not_by_short_engine_queueing() -> None:
-    """Above the proven level a request waits in the engine until a running stream ends:
-    often less than the slow threshold (floor 250 ms). Such first tokens are not slow, but
-    they are not proof that the engine takes one more either: only samples near the
-    unqueued ones are."""
+def proven_at_8() -> AdaptiveLimit:
+    """A limit whose slow start overshot a batch-8 engine, then served 8 unqueued."""
     lim = AdaptiveLimit(initial=8, min_limit=2, max_limit=256)
     for _ in range(4):
         lim.sample(0.02, in_flight=8)
     assert lim.sample(0.9, in_flight=9)  # slow start's first overshoot: proven 8
     for _ in range(40):
         lim.sample(0.02, in_flight=8)
+    return lim
+
+
+def test_a_level_is_proven_by_unqueued_samples_not_by_short_engine_queueing() -> None:
+    """Above the proven level a request waits in the engine until a running stream ends:
+    often less than the slow threshold (floor 250 ms). Such first tokens are not slow, but
+    they are not proof that the engine takes one more either: only samples near the
+    unqueued ones are."""
+    lim = proven_at_8()
     assert lim.proven == 8
     for _ in range(6):  # queued 150-200 ms behind the batch: not slow, no proof
         assert not lim.sample(0.18, in_flight=9)
@@ -161,6 +167,34 @@ def test_a_level_is_proven_by_unqueued_samples_not_by_short_engine_queueing() ->
     for _ in range(8):
         lim.sample(0.02, in_flight=8)
     assert lim.value == 8 and lim.proven == 8, lim.snapshot()
+
+
+def test_a_level_is_proven_by_unqueued_samples_in_a_row_not_by_lucky_ones_among_waits() -> None:
+    """Above a batch-8 engine a probe waits for a running stream to end: about one in six
+    ends within the clean margin and looks unqueued. Three of them among probes that waited
+    are streams ending just in time, not a 9th slot: each wait ends the row."""
+    lim = proven_at_8()
+    for _ in range(4):
+        lim.sample(0.03, in_flight=9)  # lucky: a stream ended as it came
+        for wait in (0.12, 0.18, 0.09, 0.15, 0.2):
+            assert not lim.sample(wait, in_flight=9)  # waited, not slow
+    assert lim.proven == 8 and lim.probe(9)
+    for _ in range(3):
+        lim.sample(0.03, in_flight=9)
+    assert lim.proven == 9
+
+
+def test_slow_start_proves_a_level_only_with_a_first_token_that_did_not_wait() -> None:
+    """In slow start every level is tried; one whose first token waited for a running
+    stream to end, less than a slow sample's margin, was not served unqueued."""
+    lim = AdaptiveLimit(initial=8, min_limit=2, max_limit=256)
+    for _ in range(4):
+        lim.sample(0.02, in_flight=8)
+    assert lim.proven == 8
+    assert not lim.sample(0.15, in_flight=9) and lim.cuts == 0
+    assert lim.proven == 8
+    lim.sample(0.03, in_flight=9)
+    assert lim.proven == 9
 
 
 def test_a_probe_above_the_proven_level_is_answered_by_one_step_down_not_a_backoff() -> None:

@@ -362,3 +362,40 @@ def test_slow_start_tickets_above_the_level_it_came_down_to_do_not_teach_the_ttf
     after = Ticket(ctrl, load, 100.0, 400, 1.0, 0.05, False)  # sent after the cut
     adaptive.proven = 8
     assert not after.slow_start and not after.overshot()
+
+
+def test_a_probe_that_waited_in_the_engine_at_all_does_not_teach_the_ttft_fit() -> None:
+    """A probe whose first token waited for a running stream to end, less than a slow sample's
+    margin: not slow (the limit is not cut), but its wait must not teach the fit either (its
+    residual padded every request of its tenant, and a tight class was refused for 20 s).
+    A probe on time teaches; so does a request as late at a proven level (the engine's own
+    speed). What is ahead of it in prefill is not a wait."""
+    clock = FakeClock()
+    ctrl = controller(clock, cap=16)
+    load = next(iter(ctrl.loads.values()))
+    adaptive = load.adaptive
+    assert adaptive is not None
+    adaptive.limit, adaptive.cuts, adaptive.proven = 4.0, 1, 2
+    for _ in range(5):
+        adaptive.sample(0.0, 1)  # a baseline: no wait beyond prefill
+    theta = load.est.ttft.theta
+
+    def first_token_after(wait_s: float, tokens: float = 100.0) -> Ticket:
+        ticket = Ticket(ctrl, load, tokens, 400, 1.0, 0.05, False)
+        w = ticket.work_at_dispatch / 1000.0
+        t0 = clock()
+        clock.advance(theta[0] + (theta[1] + theta[2] * ticket.decoding_at_dispatch) * w
+                      + wait_s)
+        ticket.first_token()
+        assert clock() > t0
+        return ticket
+
+    at_proven = first_token_after(0.15)
+    long_prompt = Ticket(ctrl, load, 2000.0, 8000, 1.0, 0.5, False)  # still prefilling
+    assert not at_proven.probe and not at_proven.engine_queued
+    probe_on_time = first_token_after(0.01)  # 2000 tokens ahead of it: not its wait
+    assert probe_on_time.probe and not probe_on_time.engine_queued
+    late_probe = first_token_after(0.15)
+    assert late_probe.probe and late_probe.engine_queued
+    assert adaptive.value == 4  # not slow: the limit stays
+    assert long_prompt.state == "prefill"
