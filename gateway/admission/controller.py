@@ -300,11 +300,9 @@ class Ticket:
             if not est.own_stall(self.work_at_dispatch, self.decoding_at_dispatch,
                                  self.ahead_at_dispatch, ttft - est.provider_queue_s,
                                  self.tenant, now / 1e9):
-                # Its prefill and that of the prompts ahead of it (the fit less its term
-                # for requests waiting): a short prompt behind a long one is not queued.
-                w = self.work_at_dispatch / 1000.0
-                theta = est.ttft.theta
-                own = theta[0] + (theta[1] + theta[2] * self.decoding_at_dispatch) * w
+                # Its prefill and that of the prompts ahead of it: a short prompt behind a
+                # long one is not queued.
+                own = est.prefill_s(self.work_at_dispatch, self.decoding_at_dispatch)
                 # Slow start, or a probe above the level the engine served unqueued,
                 # overshooting the engine's batch: a first token queued behind the full
                 # batch brings the limit down so that it does not recur, and the TTFT
@@ -785,8 +783,8 @@ class AdmissionController:
         its turn at a slot in `wait_s` (its place in the fair order, start_time.py), then its
         prompt prefilled beside the `ahead_tokens` of those starting with it. Returns the
         predicted TTFT from now (point, not padded)."""
-        target_s = ctx.target.ttft_ms / 1e3
-        budget = target_s - (self.clock() - ctx.t_received) / 1e9
+        waited_s = (self.clock() - ctx.t_received) / 1e9
+        budget = ctx.target.ttft_ms / 1e3 - waited_s
         per_replica_ahead = ahead_tokens / max(1, len(loads))
         # The stated error pads the best case; the wait for a turn is added to the point
         # prediction only (padding both would shed requests that would have made it).
@@ -796,7 +794,7 @@ class AdmissionController:
         padded = self._best_case_s(loads, tokens + per_replica_ahead, tenant=tenant,
                                    current=current)
         if padded > budget or (wait_s and point + wait_s > budget):
-            ctx.predicted_ttft_s = target_s - budget + max(padded, point + wait_s)
+            ctx.predicted_ttft_s = waited_s + max(padded, point + wait_s)
             if wait_s and point <= budget:
                 self._used(ctx.target.name)  # a slot in time would have made it
             self._reject(ctx, SHED_TTFT_INFEASIBLE, self._retry_after_s(loads, wait_s),

@@ -138,17 +138,14 @@ class RLS:
         # intercept while the slope was pushed below zero. Projecting one coefficient can
         # push another below zero (per-stream cost to 0 took the per-token cost to -0.06 s
         # per 1k, and the per-request cost to +0.23 s): repeated until none is.
-        for _ in range(len(self.nonneg)):
-            negative = [i for i in self.nonneg if self.theta[i] < 0]
-            if not negative:
+        for _ in range(len(self.nonneg)):  # the most negative first, then again
+            i = min(self.nonneg, key=lambda j: self.theta[j])
+            if self.theta[i] >= 0:
                 break
-            for i in negative:
-                if self.theta[i] >= 0:  # another's projection lifted it
-                    continue
-                if self.P[i][i] > 0:
-                    c = self.theta[i] / self.P[i][i]
-                    self.theta = [t - c * self.P[j][i] for j, t in enumerate(self.theta)]
-                self.theta[i] = 0.0
+            if self.P[i][i] > 0:
+                c = self.theta[i] / self.P[i][i]
+                self.theta = [t - c * self.P[j][i] for j, t in enumerate(self.theta)]
+            self.theta[i] = 0.0
         for i in self.nonneg:  # what the passes left (rare): clamped
             self.theta[i] = max(0.0, self.theta[i])
         # Forgetting inflates P in directions the data does not excite (D stays 0, say);
@@ -368,6 +365,12 @@ class ReplicaEstimator:
         x = self._ttft_x(work_tokens, decoding, ahead)
         pred = self._point(self._fit_for(tenant), x) + self.provider_queue_s
         return pred + self.judge.biases.get(tenant, 0.0) if tenant is not None else pred
+
+    def prefill_s(self, work_tokens: float, decoding: float) -> float:
+        """The fit's time to prefill `work_tokens` beside `decoding` streams: its prediction
+        less the term for requests waiting ahead and the provider's queue (what is left of a
+        first token beyond this is a wait)."""
+        return self.ttft.predict(self._ttft_x(work_tokens, decoding, 0.0))
 
     def predict_tpot(self, decoding: float) -> float:
         return max(self.tpot.predict([1.0, decoding]), 0.0)

@@ -34,13 +34,12 @@ order of magnitude. That jump is the signal, as in Envoy's adaptive_concurrency 
 
 Once the limit has come down, it knows a level the engine serves without queueing: `proven`,
 the most requests in flight at a dispatch whose first token did not wait in the engine since
-the last slow one
-(after the first cut, PROOF such samples above it in a row raise it one step: the gateway's
-count of its requests in flight is not the engine's occupancy — a stream the engine has
-finished may still be relaying — so one unqueued sample at a level is luck, not proof; and a
-sample counts as unqueued only within CLEAN x the floor of the baseline: above the batch a
-request waits in the engine until a running stream ends, often for less than the floor,
-which is not slow but no proof either, and ends the row).
+the last slow one (after the first cut, PROOF such samples above it in a row raise it one
+step: the gateway's count of its requests in flight is not the engine's occupancy — a stream
+the engine has finished may still be relaying — so one unqueued sample at a level is luck,
+not proof; and a sample counts as unqueued only within CLEAN x the floor of the baseline:
+above the batch a request waits in the engine until a running stream ends, often for less
+than the floor, which is not slow but no proof either, and ends the row).
 A dispatch above it is a *probe*: it may wait in the engine's queue for a running stream to
 end. The controller predicts that wait for it (a tight class then waits in the gateway's
 queue instead, where the fair order applies) and does not teach the TTFT estimator a probe's

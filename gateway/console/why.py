@@ -14,17 +14,16 @@ def _ms(v: float) -> str:
 def _refusal(rec: dict[str, Any], adm: dict[str, Any]) -> list[str]:
     parts = [f"refused: {adm.get('reason')}"]
     cands = adm.get("candidates") or []
+    target = rec.get("target_ttft_ms")
+    against = f" against a {_ms(target)} target" if target else ""
     predicted = [c for c in cands if c.get("predicted_ttft_ms") is not None]
     if predicted:
         best = min(predicted, key=lambda c: c["predicted_ttft_ms"])
-        target = rec.get("target_ttft_ms")
         parts.append(f"best predicted TTFT {_ms(best['predicted_ttft_ms'])} on {best['replica']}"
-                     + (f" against a {_ms(target)} target" if target else ""))
+                     + against)
     if adm.get("predicted_ttft_ms") is not None:
-        target = rec.get("target_ttft_ms")
         parts.append(f"its best case a TTFT of {_ms(adm['predicted_ttft_ms'])} from arrival "
-                     "(its turn at a slot and the stated error included)"
-                     + (f" against a {_ms(target)} target" if target else ""))
+                     "(its turn at a slot and the stated error included)" + against)
     for c in cands:
         if c.get("why") == "concurrency_cap":
             parts.append(f"{c['replica']} at its limit ({c['in_flight']}/{c['limit']})")
