@@ -367,6 +367,7 @@ async def _client_run(spec: dict[str, Any]) -> dict[str, Any]:
                         s["gw_proven"] = (rep.get("concurrency") or {}).get("proven")
                         s["gw_ttft_model"] = rep.get("ttft_model")
                         s["gw_ttft_tenants"] = rep.get("ttft_tenants")
+                        s["gw_classes"] = d.get("classes")
                 else:
                     s["sim_running"] = d.get("running")
                     s["sim_waiting"] = d.get("waiting")

@@ -1097,5 +1097,16 @@ class AdmissionController:
                         "queued": dict(self.quotas.queued)},
             "replicas": {name: load.snapshot() for name, load in self.loads.items()},
             "shared": self.shared.snapshot() if self.shared is not None else None,
+            "classes": self._classes_snapshot(),
             "time": time.time(),
         }
+
+    def _classes_snapshot(self) -> dict[str, Any]:
+        """Each class's arrival rate, its fair share of all replicas' slots and its slots in
+        flight (admission/reserve.py): why its requests were held back or passed."""
+        share, in_flight = self._slot_shares(list(self.loads.values()))
+        now = self.clock() / 1e9
+        return {cls: {"rate_per_s": round(d.rate_at(now), 3),
+                      "share_slots": round(share[cls], 2) if cls in share else None,
+                      "in_flight": in_flight.get(cls, 0)}
+                for cls, d in self._demand.items()}

@@ -167,6 +167,12 @@ async def test_overload_sheds_interactive_fast_and_queues_batch() -> None:
     # machine: one straggler in ten is that, more would be admission breaking its promise.
     assert len(late) <= max(1, len(admitted) // 10), (late, len(admitted), stated)
     assert 'decision="rejected"' in metrics and 'decision="queued"' in metrics
+    # Each class's demand as fair admission weighs it: both asked, none holds a slot now, and
+    # the shares (once learned) divide the 8 slots.
+    classes = state["classes"]
+    assert {"interactive", "batch"} <= classes.keys(), classes
+    assert all(c["rate_per_s"] > 0 and c["in_flight"] == 0 for c in classes.values()), classes
+    assert sum(c["share_slots"] or 0.0 for c in classes.values()) <= 8.01, classes
 
 
 async def test_prefix_affinity_keeps_a_prefix_on_one_replica_until_the_load_bound() -> None:
