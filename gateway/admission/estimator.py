@@ -332,7 +332,7 @@ class TpotJudge(HeldStalls):
 
 class ReplicaEstimator:
     def __init__(self, lam: float = 0.97) -> None:
-        # Priors for an unknown engine: 50 ms base, 1 s per 1k prompt tokens, 20 ms TPOT.
+        # Priors for an unknown engine: 50 ms base, 200 ms per 1k prompt tokens, 20 ms TPOT.
         self.ttft = RLS([0.05, 0.2, 0.0, 0.0], lam, nonneg=(1, 2, 3))
         self.tpot = RLS([0.02, 0.001], lam, nonneg=(1,))
         self.judge = TtftJudge()
