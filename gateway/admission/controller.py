@@ -159,12 +159,15 @@ class ReplicaLoad:
     def unproven(self) -> int:
         """Free slots above the level the engine has served unqueued (admission/limits.py):
         a request sent into one waits in the engine until a running stream ends."""
+        return max(0, self.limit() - max(self.in_flight, self.served_slots()))
+
+    def served_slots(self) -> int:
+        """The slots the engine serves unqueued: the limit, or once the limit has come down
+        (its level learned), at most the proven level."""
         adaptive = self.adaptive
         if adaptive is None or not adaptive.cuts:
-            return 0
-        free = max(0, self.limit() - self.in_flight)
-        proven = max(0, max(adaptive.proven, adaptive.min_limit) - self.in_flight)
-        return max(0, free - proven)
+            return self.limit()
+        return min(self.limit(), max(adaptive.proven, adaptive.min_limit))
 
     def probe_wait_s(self, now_ns: int) -> float:
         """A request sent now: how long it waits in the engine's queue, predicted (0 unless
@@ -740,7 +743,11 @@ class AdmissionController:
         learned = [load.hold_s for load in avail if load.holds >= MIN_HOLDS]
         if not learned:
             return {}, in_flight
-        return slot_shares(self._demand, sum(load.limit() for load in avail),
+        # Shares of the slots the engine serves unqueued: counted over the probing limit,
+        # a flooding class's share grew with each probe slot, it read as under its share,
+        # and it stopped leaving slots to another class of its target (which got 46 % of
+        # its share in the fairness matrix's flood cell, in flight at half its share).
+        return slot_shares(self._demand, sum(load.served_slots() for load in avail),
                            sum(learned) / len(learned), self.clock() / 1e9), in_flight
 
     def _higher_priority_waiting(self, priority: int) -> bool:

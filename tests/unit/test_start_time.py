@@ -399,3 +399,41 @@ def test_a_probe_that_waited_in_the_engine_at_all_does_not_teach_the_ttft_fit() 
     assert late_probe.probe and late_probe.engine_queued
     assert adaptive.value == 4  # not slow: the limit stays
     assert long_prompt.state == "prefill"
+
+
+def test_fair_shares_are_of_the_slots_the_engine_serves_unqueued_not_of_a_probing_limit() -> None:
+    """A limit probing above the level the engine has served unqueued (10 on a batch-8
+    engine, proven 8) lends the classes' fair shares none of its probe slots: counted over
+    them, a flooding class's share grew with each probe, it read as under its share while it
+    held six of the eight, and it took the slots held for another class of its target (in the
+    fairness matrix's flood cell that class ran at half its share in flight)."""
+    from tests.unit.test_fairness import proven_at_8
+
+    clock = FakeClock()
+    ctrl = controller(clock, cap=256)
+    replica = ctrl.router.replicas[0]
+    load = ctrl.load_of(replica)
+    load.adaptive = proven_at_8()
+    assert (load.limit(), load.served_slots()) == (10, 8)
+    load.decoding = 6
+    load.by_class.update({"flood": 5, "other": 1})
+    assert load.unproven() == 2  # 10 - max(6 in flight, 8 served)
+    load.hold_s, load.holds = 2.0, 5
+    now = clock() / 1e9
+    ctrl._demand = {  # flood asks 5 /s x 2 s = 10 slots, other 1.5 /s = 3
+        "flood": Demand(last_s=now, weight=1.0, ttft_s=0.28, rate=5.0, first_s=now - 60,
+                        used_s=now),
+        "other": Demand(last_s=now, weight=1.0, ttft_s=0.28, rate=1.5, first_s=now - 60,
+                        used_s=now)}
+    share, in_flight = ctrl._slot_shares([load])
+    assert sum(share.values()) == pytest.approx(8.0)
+    assert share["other"] == pytest.approx(3.0, rel=0.05)
+    assert share["flood"] == pytest.approx(5.0, rel=0.05)  # over it with 5: it holds for other
+    assert reserved_slots("flood", ctrl._demand, share, in_flight, now)[0] == 2
+    # Counted over the probing limit (10), flood's share would be 7 and its 5 under it: it
+    # would leave nothing to a class of its own target.
+    wide = slot_shares(ctrl._demand, load.limit(), load.hold_s, now)
+    assert reserved_slots("flood", ctrl._demand, wide, in_flight, now)[0] == 0
+    # Without an adaptive limit, or before it has come down, every slot of the limit counts.
+    load.adaptive = None
+    assert load.served_slots() == load.limit() == 256 and load.unproven() == 0
