@@ -716,7 +716,7 @@ class AdmissionController:
         avail = [load for load in loads if load.replica.available()]
         if all(load.in_flight >= load.limit() for load in avail):
             return False
-        free = sum(max(0, load.limit() - load.in_flight - load.unproven()) for load in avail)
+        free = sum(max(0, load.served_slots() - load.in_flight) for load in avail)
         share, in_flight = self._slot_shares(loads)
         if not share:
             return False

@@ -9,9 +9,10 @@ import math
 
 import pytest
 
-from gateway.admission.controller import AdmissionController, ReplicaLoad, Ticket
+from gateway.admission.controller import MIN_HOLDS, AdmissionController, ReplicaLoad, Ticket
 from gateway.admission.estimator import ReplicaEstimator
 from gateway.admission.fairness import FairQueue
+from gateway.admission.limits import AdaptiveLimit
 from gateway.admission.reserve import (
     MAX_HELD,
     Demand,
@@ -24,7 +25,7 @@ from gateway.errors import GatewayError
 from gateway.exchange import Exchange
 from tests.support.fakeclock import FakeClock
 from tests.unit.test_admission_queue import BODY, FAMILY, controller, request
-from tests.unit.test_fairness import W
+from tests.unit.test_fairness import W, proven_at_8
 
 
 def test_a_stream_frees_its_slot_after_its_predicted_decode_and_never_before_one_token() -> None:
@@ -407,8 +408,6 @@ def test_fair_shares_are_of_the_slots_the_engine_serves_unqueued_not_of_a_probin
     them, a flooding class's share grew with each probe, it read as under its share while it
     held six of the eight, and it took the slots held for another class of its target (in the
     fairness matrix's flood cell that class ran at half its share in flight)."""
-    from tests.unit.test_fairness import proven_at_8
-
     clock = FakeClock()
     ctrl = controller(clock, cap=256)
     replica = ctrl.router.replicas[0]
@@ -418,7 +417,7 @@ def test_fair_shares_are_of_the_slots_the_engine_serves_unqueued_not_of_a_probin
     load.decoding = 6
     load.by_class.update({"flood": 5, "other": 1})
     assert load.unproven() == 2  # 10 - max(6 in flight, 8 served)
-    load.hold_s, load.holds = 2.0, 5
+    load.hold_s, load.holds = 2.0, MIN_HOLDS
     now = clock() / 1e9
     ctrl._demand = {  # flood asks 5 /s x 2 s = 10 slots, other 1.5 /s = 3
         "flood": Demand(last_s=now, weight=1.0, ttft_s=0.28, rate=5.0, first_s=now - 60,
@@ -435,5 +434,7 @@ def test_fair_shares_are_of_the_slots_the_engine_serves_unqueued_not_of_a_probin
     wide = slot_shares(ctrl._demand, load.limit(), load.hold_s, now)
     assert reserved_slots("flood", ctrl._demand, wide, in_flight, now)[0] == 0
     # Without an adaptive limit, or before it has come down, every slot of the limit counts.
+    load.adaptive = AdaptiveLimit(initial=10, min_limit=2, max_limit=256)
+    assert load.adaptive.cuts == 0 and load.served_slots() == load.limit() == 10
     load.adaptive = None
     assert load.served_slots() == load.limit() == 256 and load.unproven() == 0
