@@ -315,11 +315,18 @@ class Ticket:
                 # padded with that wait, a tight class's every request was refused for
                 # 20 s. A slow first token at a proven level is the engine's (it slowed),
                 # and teaches both.
+                # Likewise a request sent in slow start above the level the engine has
+                # served unqueued whose first token came after the cut, and waited: slow
+                # start on a batch-8 engine had requests 9-12 in flight, their first tokens
+                # (0.3-0.9 s) taught the fit while it was still learning, its error padded
+                # every request past a 280 ms target, and the engine sat idle for 34 s.
                 slow_start = load.adaptive.cuts == 0 and self.in_flight_at_dispatch > 1
                 queueing = ttft - est.provider_queue_s - own
+                above = self.probe or (self.slow_start
+                                       and self.in_flight_at_dispatch > load.adaptive.proven)
                 slow = load.adaptive.sample(queueing, self.in_flight_at_dispatch)
                 self.engine_queued = (slow and slow_start) or (
-                    self.probe and not load.adaptive.unqueued(queueing))
+                    above and not load.adaptive.unqueued(queueing))
         self.ctrl.wake()
 
     def move(self, replica: Replica) -> None:
