@@ -274,15 +274,20 @@ class Ticket:
 
     def overshot(self) -> bool:
         """Was it sent in slow start above the level the limit then came down to, a level the
-        engine has since served unqueued? Its first token may have waited in the engine's
-        queue even where that wait was too short to be judged slow: the TTFT estimator must
-        not learn it as the engine's speed. (When the levels below are slow too, the engine
-        itself slowed: then it teaches.)"""
+        engine has since served unqueued or the one above it? Its first token may have waited
+        in the engine's queue even where that wait was too short to be judged slow: the TTFT
+        estimator must not learn it as the engine's speed. (When the levels below are slow
+        too, the engine itself slowed: then it teaches.) The level above counts because the
+        cut lands on the level below the first slow first token: slow start had 12 in flight
+        on a batch-8 engine, the 9th waited less than a slow sample's margin, the 10th did
+        not, so the limit came down to 9 with 8 proven; taught, the first tokens of the 10th
+        to 12th (0.5-0.9 s) padded every request past a 280 ms target while the fit was still
+        learning, and the engine sat idle for 34 s."""
         adaptive = self.load.adaptive
         if adaptive is None or not self.slow_start or not adaptive.cuts:
             return False
         level = adaptive.value
-        return self.in_flight_at_dispatch > level and adaptive.proven >= level
+        return self.in_flight_at_dispatch > level and adaptive.proven >= level - 1
 
     def first_token(self) -> None:
         if self.state != "prefill":
@@ -315,18 +320,11 @@ class Ticket:
                 # padded with that wait, a tight class's every request was refused for
                 # 20 s. A slow first token at a proven level is the engine's (it slowed),
                 # and teaches both.
-                # Likewise a request sent in slow start above the level the engine has
-                # served unqueued whose first token came after the cut, and waited: slow
-                # start on a batch-8 engine had requests 9-12 in flight, their first tokens
-                # (0.3-0.9 s) taught the fit while it was still learning, its error padded
-                # every request past a 280 ms target, and the engine sat idle for 34 s.
                 slow_start = load.adaptive.cuts == 0 and self.in_flight_at_dispatch > 1
                 queueing = ttft - est.provider_queue_s - own
-                above = self.probe or (self.slow_start
-                                       and self.in_flight_at_dispatch > load.adaptive.proven)
                 slow = load.adaptive.sample(queueing, self.in_flight_at_dispatch)
                 self.engine_queued = (slow and slow_start) or (
-                    above and not load.adaptive.unqueued(queueing))
+                    self.probe and not load.adaptive.unqueued(queueing))
         self.ctrl.wake()
 
     def move(self, replica: Replica) -> None:

@@ -358,41 +358,16 @@ def test_slow_start_tickets_above_the_level_it_came_down_to_do_not_teach_the_ttf
     assert all(t.slow_start for t in tickets)
     adaptive.limit, adaptive.cuts, adaptive.proven = 8.0, 1, 8
     assert [t.overshot() for t in tickets] == [False] * 8 + [True] * 2
-    adaptive.proven = 3  # slow at 4 as well: the engine slowed
+    # The 9th waited less than a slow sample's margin, the 10th did not: the limit came down
+    # to 9 with 8 proven, and the 10th's first token (0.5-0.9 s on the simulator) must not
+    # teach either (taught, the fit's error refused every request of a 280 ms class for 34 s)
+    adaptive.limit = 9.0
+    assert [t.overshot() for t in tickets] == [False] * 9 + [True]
+    adaptive.limit, adaptive.proven = 8.0, 3  # slow at 4 as well: the engine slowed
     assert not any(t.overshot() for t in tickets)
     after = Ticket(ctrl, load, 100.0, 400, 1.0, 0.05, False)  # sent after the cut
     adaptive.proven = 8
     assert not after.slow_start and not after.overshot()
-
-
-def test_slow_start_requests_above_the_proven_level_that_waited_after_the_cut_do_not_teach(
-        ) -> None:
-    """Slow start put ten requests on a batch-8 engine; the first slow first token cut the
-    limit (to 9: the 9th had waited less than a slow sample's margin) with 8 proven. The
-    first tokens of the 9th and 10th come after the cut, late: they waited in the engine,
-    and taught, they padded every request past a tight target and the engine sat idle for
-    34 s. One as late at a proven level is the engine's own speed, and teaches."""
-    clock = FakeClock()
-    ctrl = controller(clock, cap=16)
-    load = next(iter(ctrl.loads.values()))
-    adaptive = load.adaptive
-    assert adaptive is not None
-    tickets = [Ticket(ctrl, load, 100.0, 400, 1.0, 0.05, False) for _ in range(10)]
-    assert all(t.slow_start for t in tickets)
-    adaptive.limit, adaptive.cuts, adaptive.proven = 9.0, 1, 8
-    for _ in range(5):
-        adaptive.sample(0.0, 1)  # a baseline: no wait beyond prefill
-    late = max(load.est.prefill_s(t.work_at_dispatch, t.decoding_at_dispatch)
-               for t in tickets) + 0.3
-    clock.advance(late)
-    for t in (tickets[4], tickets[8], tickets[9]):
-        t.first_token()
-    assert [tickets[4].engine_queued, tickets[8].engine_queued, tickets[9].engine_queued] \
-        == [False, True, True]
-    after = Ticket(ctrl, load, 100.0, 400, 1.0, 0.05, False)  # sent after the cut, at 9
-    clock.advance(late)
-    after.first_token()
-    assert not after.slow_start and after.probe and after.engine_queued  # a probe, as before
 
 
 def test_a_probe_that_waited_in_the_engine_at_all_does_not_teach_the_ttft_fit() -> None:
