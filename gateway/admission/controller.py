@@ -273,16 +273,15 @@ class Ticket:
         return self.load.replica
 
     def overshot(self) -> bool:
-        """Was it sent in slow start above the level the limit then came down to, a level the
-        engine has since served unqueued or the one above it? Its first token may have waited
-        in the engine's queue even where that wait was too short to be judged slow: the TTFT
-        estimator must not learn it as the engine's speed. (When the levels below are slow
-        too, the engine itself slowed: then it teaches.) The level above counts because the
-        cut lands on the level below the first slow first token: slow start had 12 in flight
-        on a batch-8 engine, the 9th waited less than a slow sample's margin, the 10th did
-        not, so the limit came down to 9 with 8 proven; taught, the first tokens of the 10th
-        to 12th (0.5-0.9 s) padded every request past a 280 ms target while the fit was still
-        learning, and the engine sat idle for 34 s."""
+        """Was it sent in slow start above the level the limit then came down to, that level
+        being one the engine has since served unqueued or the one above it (the cut lands
+        just below the first slow first token: on a batch-8 engine the 9th may wait less than
+        a slow sample's margin, leaving the limit at 9 with 8 proven)? Its first token may
+        have waited in the engine's queue even where that wait was too short to be judged
+        slow: the TTFT estimator must not learn it as the engine's speed (taught while the fit
+        was still learning, it padded every request of a 280 ms class, and the engine sat
+        idle for 34 s). When the levels below are slow too, the engine itself slowed: then
+        it teaches."""
         adaptive = self.load.adaptive
         if adaptive is None or not self.slow_start or not adaptive.cuts:
             return False
