@@ -725,11 +725,14 @@ async def test_counters_never_go_backwards_when_a_worker_is_killed() -> None:
             # 1. A kill in the middle of a load: what the victim counted since its last
             # publish (at most a second's worth) is lost, but no counter goes down.
             await load(4.0, during=1.5)
+            # Its own scrapes: two in flight at once, one scraper would compare an answer
+            # that read the files first but came last with one that came before it.
+            probe = Scraper(h.gw.url)
             async with aiohttp.ClientSession() as s:
                 async def settled() -> float | None:
-                    a = _requests_total(await scraper.scrape(s))
+                    a = _requests_total(await probe.scrape(s))
                     await asyncio.sleep(1.2)  # > the publish interval
-                    b = _requests_total(await scraper.scrape(s))
+                    b = _requests_total(await probe.scrape(s))
                     return b if a == b else None
 
                 base = await wait_until(settled, 15, interval=0.1, what="the count settled")
