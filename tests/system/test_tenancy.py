@@ -457,7 +457,11 @@ async def test_tokens_per_minute_quota_is_global_across_gateways_through_redis()
         async with serve_app(build_sim(SimConfig(**FAST))) as sim:
             cfg = keyed([("a", sim, ["m"])],
                         [{"key": "k", "tenant": "t", "tokens_per_minute": 1000}],
-                        admission={"enabled": True, "redis_url": redis.url},
+                        # a Redis call slower than the default 250 ms (a stall on a loaded
+                        # 2-core host) falls back to a bucket per gateway, which is not what
+                        # this checks (test_admission_redis_latency.py does)
+                        admission={"enabled": True, "redis_url": redis.url,
+                                   "redis_timeout_s": 5.0},
                         server={"access_log": False})
             async with serve_app(build_app(cfg)) as one, serve_app(build_app(cfg)) as two, \
                     aiohttp.ClientSession() as s:
