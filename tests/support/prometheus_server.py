@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
 import socket
 import subprocess
@@ -15,12 +16,31 @@ import aiohttp
 from gateway.ops import demo
 from tests.support.servers import stop_process
 
+_PICK = random.SystemRandom()  # not the seeded `random`: every test worker would pick alike
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A port nothing holds, below the kernel's ephemeral range. One the kernel hands out
+    (bind to port 0) is in that range, where any outgoing connection of another test may take
+    it before the server under test binds it: "address already in use" on a busy host."""
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = _PICK.randrange(10000, low) if low > 11000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            picked: int = s.getsockname()[1]
+            return picked
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 class Prometheus:
