@@ -1240,7 +1240,10 @@ def fairness_toml(host: str, port: int, sim_port: int, classes: dict[str, SloCla
                 out += f"requests_per_minute = {quota_a_rpm}\n"
     out += (f'\n[[backends]]\nname = "sim"\ntype = "openai"\n'
             f'base_url = "http://{host}:{sim_port}/v1"\nmodels = ["*"]\n'
-            'forward_headers = ["x-sim-*"]\n')
+            'forward_headers = ["x-sim-*"]\n'
+            # the simulator continues a final assistant message, as vLLM and SGLang do: a
+            # preempted stream goes on there (admission.preemption)
+            'continuation = "prefill"\n')
     return out
 
 

@@ -34,6 +34,8 @@ FIRST_TOKEN = "first_token_timeout"
 IDLE = "idle_timeout"
 TOTAL = "total_timeout"
 SHUTDOWN = "shutdown"
+# ... and why admission cut a stream: its slot went to a less served class (continued after)
+PREEMPTED = "preempted"
 
 # -- results of one upstream attempt (upstream_attempts_total{result}); http_<status> too -------
 ATTEMPT_OK = "ok"  # the answer reached the client complete

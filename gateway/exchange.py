@@ -110,7 +110,7 @@ class Exchange:
         # the phases' working state
         "api", "operation", "key", "body", "parsed", "attempt", "ticket", "response",
         "retry_budget_at", "last_failure", "too_long_for", "streamed_text", "continued_from",
-        "captured_output", "race", "hedge",
+        "preempted", "captured_output", "race", "hedge",
     )
 
     def __init__(self, route: str, gap_bounds_ns: tuple[int, ...] = ()) -> None:
@@ -196,6 +196,7 @@ class Exchange:
         # continuation.
         self.streamed_text: list[str] | None = None
         self.continued_from: tuple[int, ...] = ()
+        self.preempted = 0  # of those continuations, the ones admission asked for (a slot given)
         self.captured_output: list[str] | None = None  # output text, content capture only
         self.race: Any = None  # request.hedge.Race while a first-token race may run
         self.hedge: str | None = None  # how its race ended (won, lost, failed, abandoned)

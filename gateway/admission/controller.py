@@ -36,12 +36,20 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from gateway.admission import engine_metrics
 from gateway.admission.estimator import ReplicaEstimator, TokenCalibration
 from gateway.admission.fairness import FairQueue
 from gateway.admission.limits import AdaptiveLimit
+from gateway.admission.preemption import (
+    ClassUsage,
+    Preemptible,
+    Running,
+    may_pause,
+    may_take,
+    slack_s,
+)
 from gateway.admission.quotas import (
     DEFAULT_OUTPUT_TOKENS,
     Reservation,
@@ -76,6 +84,13 @@ TIE_BAND = 0.05  # predictions within 5 % of the best are equally good: pick one
 PROBE_INTERVAL_S = 1.0
 MIN_HOLDS = 5  # requests ended on a replica before its slot releases are predicted
 URGENT = 0.25  # a waiter in the last quarter of its TTFT budget may pass (_may_pass)
+
+
+@dataclass(frozen=True, slots=True)
+class Late:
+    """How a request misses its TTFT deadline, predicted."""
+    predicted_s: float  # its TTFT from received
+    for_a_slot: bool  # a slot free now would have made it (its turn comes too late)
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,14 +244,22 @@ class Ticket:
                  "work_at_dispatch", "decoding_at_dispatch", "ahead_at_dispatch", "state",
                  "decoding_sum", "shared_slot", "model", "tenant", "reservation",
                  "in_flight_at_dispatch", "t_start", "out_tokens", "predicted_wait_s",
-                 "predicted_total_s", "slo_class", "engine_queued", "probe", "slow_start")
+                 "predicted_total_s", "slo_class", "engine_queued", "probe", "slow_start",
+                 "priority", "preemptible", "resumed")
 
     def __init__(self, ctrl: AdmissionController, load: ReplicaLoad, tokens: float,
                  body_bytes: int, tpot_target_s: float, predicted_ttft_s: float,
                  shared_slot: bool, model: str = "", tenant: str = "other",
-                 out_tokens: float = DEFAULT_OUTPUT_TOKENS, slo_class: str = "") -> None:
+                 out_tokens: float = DEFAULT_OUTPUT_TOKENS, slo_class: str = "",
+                 priority: int = 0, resumed: bool = False) -> None:
         self.ctrl = ctrl
         self.slo_class = slo_class
+        self.priority = priority
+        # its stream, once the proxy says it could be continued elsewhere (preemption.py)
+        self.preemptible: Preemptible | None = None
+        # the continuation of a preempted stream: its first token is not the answer's (the
+        # estimators learn nothing from it)
+        self.resumed = resumed
         self.engine_queued = False  # its first token came late: queued behind a full batch
         self.load = load
         self.model = model  # the model admission found a replica for (maybe a fallback)
@@ -264,6 +287,7 @@ class Ticket:
         self.state = "prefill"
         load.tickets.add(self)
         load.by_class[slo_class] += 1
+        ctrl.usage.change(slo_class, 1, self.t_start / 1e9)
         load.prefill_tokens += tokens
         load.prefilling += 1
         load.avg_tokens += 0.05 * (tokens - load.avg_tokens)
@@ -298,7 +322,8 @@ class Ticket:
         load.tpot_targets[self.tpot_target_s] += 1
         self.decoding_sum = load.decoding_now()
         self.state = "decode"
-        if load.adaptive is not None:  # the limit learns from the TTFT now, not at the end
+        # the limit learns from the TTFT now, not at the end (a continuation's is no sample)
+        if load.adaptive is not None and not self.resumed:
             est = load.est
             now = self.ctrl.clock()
             ttft = (now - self.t_start) / 1e9
@@ -339,6 +364,7 @@ class Ticket:
         self.state = "prefill"
         self.load.tickets.add(self)
         self.load.by_class[self.slo_class] += 1
+        self.ctrl.usage.change(self.slo_class, 1, self.t_start / 1e9)
         self.load.prefill_tokens += self.tokens
         self.load.prefilling += 1
 
@@ -349,6 +375,7 @@ class Ticket:
             load.by_class[self.slo_class] -= 1
             if load.by_class[self.slo_class] <= 0:
                 del load.by_class[self.slo_class]
+            self.ctrl.usage.change(self.slo_class, -1, self.ctrl.clock() / 1e9)
         if self.state == "prefill":
             load.prefill_tokens -= self.tokens
             load.prefilling -= 1
@@ -363,14 +390,24 @@ class Ticket:
         self._release()
         self.state = "done"
 
+    def give_up(self) -> None:
+        """Preempted: its slot is another request's from now (its global slot too); its
+        answer's continuation gets a ticket of its own (AdmissionController.resume)."""
+        self._release()
+        self.state = "preempted"
+        self.shared_slot = False
+        self.preemptible = None
+
     def finish(self, ctx: Exchange) -> None:
         if self.state == "done":
             return
+        preempted = self.state == "preempted"  # its continuation never got a slot
         decoding_end = self.load.decoding_now()
         self._release()
         self.state = "done"
-        self.ctrl.score(self, ctx)
-        self.ctrl.learn(self, ctx, decoding_end)
+        if not preempted and not self.resumed:
+            self.ctrl.score(self, ctx)
+            self.ctrl.learn(self, ctx, decoding_end)
         self.ctrl.release_shared(self)
         if self.reservation is not None:
             if ctx.outcome != OK and not ctx.t_sent:
@@ -433,6 +470,8 @@ class AdmissionController:
         self.mean_output = float(DEFAULT_OUTPUT_TOKENS)  # EWMA of completion tokens
         self._demand: dict[str, Demand] = {}  # per SLO class: its recent arrivals
         self._held_since: dict[str, float] = {}  # per model: free slots held, nobody admitted
+        self.usage = ClassUsage()  # each class's slots in flight, over time (preemption.py)
+        self.resuming: list[Waiter] = []  # preempted streams waiting to go on, first come
         self.quotas = TenantQuotas(shared, cfg.redis_share, clock=lambda: self.clock() / 1e9)
         self._seq = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
@@ -545,7 +584,7 @@ class AdmissionController:
         if demand is None:
             demand = self._demand[slo.name] = Demand(now_s, 0.0, 0.0, first_s=now_s)
         demand.arrive(now_s, policy.weight * slo.cls.weight, slo.ttft_ms / 1e3)
-        if len(self.fair) or self._held_back(slo.name, model, loads):
+        if len(self.fair) or self.resuming or self._held_back(slo.name, model, loads):
             # Others are waiting: capacity that frees goes to the flow whose turn it is.
             ticket = None
             why_not = ("priority_wait" if self._higher_priority_waiting(slo.cls.priority)
@@ -573,8 +612,18 @@ class AdmissionController:
         wait_s, ahead = self._arrival_start(waiter, loads, weight, slo.cls.min_share)
         waiter.predicted_wait_s = ctx.predicted_wait_s = wait_s
         waiter.eta_s = self.clock() / 1e9 + wait_s
-        point = self._check_feasible(ctx, loads, tokens, why_not, ahead, wait_s)
-        waiter.predicted_total_s = waited_s + wait_s + point
+        point, late = self._late(ctx, loads, tokens, ahead, wait_s)
+        if late is not None:
+            if late.for_a_slot:  # a running stream may give it its slot (preemption.py)
+                ticket = self._preempt(ctx, loads, tokens, body_bytes, model, out_tokens)
+                if ticket is not None:
+                    self._decided(ctx, ADMITTED, "preempted")
+                    self.fair.admitted_directly(slo.name)
+                    ticket.predicted_wait_s, ctx.predicted_wait_s = 0.0, 0.0
+                    ticket.predicted_total_s = waited_s + ticket.predicted_ttft_s
+                    return ticket
+            self._refuse_late(ctx, loads, tokens, wait_s, late)
+        waiter.predicted_total_s = waited_s + point
         if len(self.fair) >= self.cfg.max_queue or \
                 self.queued_tokens + tokens > self.cfg.max_queue_tokens:
             victim = self.fair.victim(flow, weight)
@@ -645,7 +694,7 @@ class AdmissionController:
             # configured target, never the request's own.
             ticket = Ticket(self, load, tokens, body_bytes, slo.cls.tpot_ms / 1e3, pred,
                             self.shared is not None, model or (ctx.model or ""),
-                            ctx.tenant_label, out_tokens, slo.name)
+                            ctx.tenant_label, out_tokens, slo.name, slo.cls.priority)
             self._held_since.pop(model, None)  # a slot was taken: a hold's bound starts anew
             self._used(slo.name)
             if self.shared is not None and deferred is not None:
@@ -686,8 +735,143 @@ class AdmissionController:
                 return Ticket(self, load, tokens, body_bytes, ctx.target.cls.tpot_ms / 1e3,
                               est.predict_ttft(tokens, 0.0, tenant=ctx.tenant_label), False,
                               model or (ctx.model or ""), ctx.tenant_label,
-                              slo_class=ctx.target.name)
+                              slo_class=ctx.target.name, priority=ctx.target.cls.priority)
         return None
+
+    def _preempt(self, ctx: Exchange, loads: list[ReplicaLoad], tokens: float,
+                 body_bytes: int, model: str, out_tokens: float) -> Ticket | None:
+        """A slot now for a request whose turn comes too late, taken from a running stream
+        (admission/preemption.py): of a class more served than its own, of its priority band
+        or a lower one, on a replica where it makes its TTFT; of those, the stream whose TPOT
+        slack covers its pause best. Its stream is cut and goes on later (resume)."""
+        if not self.cfg.preemption:
+            return None
+        slo = ctx.target
+        self._used(slo.name)  # a slot now would make it: its class has use for slots
+        now = self.clock()
+        budget = slo.ttft_ms / 1e3 - (now - ctx.t_received) / 1e9
+        share, _ = self._slot_shares(loads)
+        if share.get(slo.name, 0.0) <= 0.0:
+            return None
+        usage: dict[str, float] = {}
+        weight = {c: d.weight for c, d in self._demand.items()}
+        # when each stream here frees its slot, predicted: the next one to free is where a
+        # preempted stream goes on
+        releases: list[tuple[float, Ticket]] = []
+        for load in loads:
+            if load.holds >= MIN_HOLDS:
+                tpot = load.est.predict_tpot(max(1.0, float(load.limit())))
+                releases += [(remaining_s((now - t.t_start) / 1e9, t.predicted_ttft_s,
+                                          t.out_tokens, tpot), t) for t in load.tickets]
+        releases.sort(key=lambda rt: rt[0])
+        best: tuple[float, float, ReplicaLoad, Ticket] | None = None
+        for load in loads:
+            if not load.replica.available(ctx.tenant_label) or load.holds < MIN_HOLDS:
+                continue
+            est = load.est
+            decoding = max(0.0, load.decoding_now() - 1)  # the one it replaces stops
+            pred = est.predict_ttft(self._ahead(load) + tokens, decoding, load.requests_ahead(),
+                                    ctx.tenant_label)
+            if pred + self.cfg.safety * est.ttft_spread_s(ctx.tenant_label) > budget:
+                continue
+            tpot = est.predict_tpot(max(1.0, load.decoding_now()))
+            for t in load.tickets:
+                hook = t.preemptible
+                if hook is None or t.state != "decode" or t.priority > slo.cls.priority:
+                    continue
+                if t.slo_class not in usage:
+                    usage[t.slo_class] = self.usage.mean(t.slo_class, now / 1e9)
+                usage.setdefault(slo.name, self.usage.mean(slo.name, now / 1e9))
+                if not may_take(slo.name, t.slo_class, share, weight, usage):
+                    continue
+                seen = hook.streaming()
+                if seen is None:
+                    continue
+                run = Running((now - seen[0]) / 1e9, seen[1], t.out_tokens, t.tpot_target_s,
+                              tpot)
+                next_free = next((r for r, other in releases if other is not t), math.inf)
+                pause = next_free + est.predict_ttft(t.tokens + seen[1], load.decoding_now(),
+                                                     0.0)
+                if may_pause(run, pause, budget):
+                    slack = slack_s(run) - pause
+                    if best is None or slack > best[0]:
+                        best = slack, pred, load, t
+        if best is None:
+            return None
+        _, pred, load, victim = best
+        hook = victim.preemptible
+        assert hook is not None
+        shared_slot = victim.shared_slot  # the global slot goes with the local one
+        victim.give_up()
+        ticket = Ticket(self, load, tokens, body_bytes, slo.cls.tpot_ms / 1e3, pred,
+                        shared_slot, model or (ctx.model or ""), ctx.tenant_label, out_tokens,
+                        slo.name, slo.cls.priority)
+        self._held_since.pop(model, None)
+        self._used(slo.name)
+        self.metrics.child(self.metrics.preemptions, (slo.name, victim.slo_class)).inc()
+        hook.preempt()
+        return ticket
+
+    async def resume(self, ctx: Exchange, family: str, models: Sequence[str]) -> Ticket:
+        """A slot again for a preempted stream's continuation: the next one to free on a
+        replica that can continue it, before any queued request's turn (its client has its
+        first token, and waits mid-answer). Its claim (and quota) moves to the new ticket.
+        Raises GatewayError when no replica of its models is available any more; waits
+        until its deadline otherwise (the caller's watchdog bounds it)."""
+        old = ctx.ticket
+        assert isinstance(old, Ticket)
+        slo = ctx.target
+        waiter = Waiter((ctx.tenant_label, slo.name), ctx.t_received, next(self._seq),
+                        slo.cls.priority, old.model, ctx.policy or OPEN_POLICY, ctx, family,
+                        old.tokens, old.body_bytes, None, self.clock(), old.out_tokens)
+        waiter.in_queue = False  # not in the fair queue: the resuming list is served first
+        self.resuming.append(waiter)
+        self._arm_timer()
+        self.wake()
+        try:
+            ticket = await waiter.future
+        finally:
+            if not waiter.future.done():
+                waiter.future.cancel()
+            if waiter in self.resuming:
+                self.resuming.remove(waiter)
+        ticket.reservation, old.reservation = old.reservation, None
+        old.finish(ctx)  # nothing left of it but its state
+        if self.shared is not None:
+            # Its answer goes on whatever the global count says (the client has half of it):
+            # the slot is counted when there is one.
+            ticket.shared_slot = await self.shared.try_acquire(ticket.replica.name,
+                                                               ticket.load.cap)
+        return ticket
+
+    def _resume_next(self) -> None:
+        """Give the slots free now to the preempted streams waiting to go on, first come."""
+        for waiter in list(self.resuming):
+            ctx = waiter.ctx
+            if waiter.future.done():
+                self.resuming.remove(waiter)
+                continue
+            loads = [self.load_of(r) for r in self.router.replicas_for(waiter.model,
+                                                                        waiter.family)
+                     if r.cfg.continuation == "prefill" and r.available(ctx.tenant_label)]
+            if not loads:
+                waiter.future.set_exception(no_healthy_backend(waiter.model, [], ctx.tenant_label))
+                self.resuming.remove(waiter)
+                continue
+            free = [load for load in loads if load.in_flight < load.served_slots()]
+            if not free:
+                continue
+            load = min(free, key=lambda ld: ld.in_flight / max(1, ld.served_slots()))
+            tokens = waiter.tokens + ctx.token_events  # its prompt and its answer so far
+            ticket = Ticket(self, load, tokens, waiter.body_bytes,
+                            ctx.target.cls.tpot_ms / 1e3,
+                            load.est.predict_ttft(self._ahead(load) + tokens,
+                                                  load.decoding_now(), 0.0),
+                            False, waiter.model, ctx.tenant_label,
+                            max(1.0, waiter.out_tokens - ctx.token_events), ctx.target.name,
+                            waiter.priority, resumed=True)
+            self.resuming.remove(waiter)
+            waiter.future.set_result(ticket)
 
     def _urgent(self, waiter: Waiter) -> bool:
         """Near its deadline: strict priority would starve lower bands under sustained
@@ -788,12 +972,13 @@ class AdmissionController:
                       + k * est.ttft_spread_s(tenant))
         return out
 
-    def _check_feasible(self, ctx: Exchange, loads: list[ReplicaLoad], tokens: float,
-                        why: str, ahead_tokens: float = 0.0, wait_s: float = 0.0) -> float:
-        """Reject now (429 ttft_infeasible) if even the best case misses the TTFT deadline:
-        its turn at a slot in `wait_s` (its place in the fair order, start_time.py), then its
-        prompt prefilled beside the `ahead_tokens` of those starting with it. Returns the
-        predicted TTFT from now (point, not padded)."""
+    def _late(self, ctx: Exchange, loads: list[ReplicaLoad], tokens: float,
+              ahead_tokens: float = 0.0, wait_s: float = 0.0) -> tuple[float, Late | None]:
+        """Does even the best case miss the TTFT deadline (a 429 ttft_infeasible now, with
+        Retry-After, rather than at the deadline: _refuse_late)? Its turn at a slot in `wait_s` (its
+        place in the fair order, start_time.py), then its prompt prefilled beside the
+        `ahead_tokens` of those starting with it. Returns the predicted TTFT from now (point,
+        not padded), and how it misses (None: it is in time)."""
         waited_s = (self.clock() - ctx.t_received) / 1e9
         budget = ctx.target.ttft_ms / 1e3 - waited_s
         per_replica_ahead = ahead_tokens / max(1, len(loads))
@@ -805,12 +990,18 @@ class AdmissionController:
         padded = self._best_case_s(loads, tokens + per_replica_ahead, tenant=tenant,
                                    current=current)
         if padded > budget or (wait_s and point + wait_s > budget):
-            ctx.predicted_ttft_s = waited_s + max(padded, point + wait_s)
-            if wait_s and point <= budget:
-                self._used(ctx.target.name)  # a slot in time would have made it
-            self._reject(ctx, SHED_TTFT_INFEASIBLE, self._retry_after_s(loads, wait_s),
-                         self._unreachable(ctx, loads, tokens))
-        return point + wait_s
+            # a slot in time would have made it: it was refused for want of one
+            slot = bool(wait_s) and point <= budget
+            return point + wait_s, Late(waited_s + max(padded, point + wait_s), slot)
+        return point + wait_s, None
+
+    def _refuse_late(self, ctx: Exchange, loads: list[ReplicaLoad], tokens: float,
+                     wait_s: float, late: Late) -> NoReturn:
+        ctx.predicted_ttft_s = late.predicted_s
+        if late.for_a_slot:
+            self._used(ctx.target.name)
+        self._reject(ctx, SHED_TTFT_INFEASIBLE, self._retry_after_s(loads, wait_s),
+                     self._unreachable(ctx, loads, tokens))
 
     def _unreachable(self, ctx: Exchange, loads: list[ReplicaLoad], tokens: float) -> str:
         """Why a TTFT target no load level meets is refused (empty when it is reachable)."""
@@ -836,9 +1027,16 @@ class AdmissionController:
                     for load in avail)
         return max(1.0, drain)
 
-    def _plan(self, loads: list[ReplicaLoad], tenant: str | None = None) -> SlotPlan:
+    def _plan(self, loads: list[ReplicaLoad], model: str,
+              tenant: str | None = None) -> SlotPlan:
+        """The model's slots for the start-time prediction, the next to free going first to
+        the preempted streams waiting to go on."""
         now = self.clock()
-        return SlotPlan([load.slots(now) for load in loads if load.replica.available(tenant)])
+        plan = SlotPlan([load.slots(now) for load in loads if load.replica.available(tenant)])
+        for w in self.resuming:
+            if w.model == model and not w.future.done():
+                plan.take(max(1.0, w.out_tokens - w.ctx.token_events), w.tokens)
+        return plan
 
     def _overlap_s(self, loads: list[ReplicaLoad], tokens: float) -> float:
         """How close together two requests start and still prefill side by side."""
@@ -848,7 +1046,7 @@ class AdmissionController:
                        min_share: float) -> tuple[float, float]:
         """An arrival's predicted wait for a slot (s) where the fair order would place it, and
         the prompt tokens of the waiters ahead that start beside it."""
-        plan = self._plan(loads, arriving.tenant)
+        plan = self._plan(loads, arriving.model, arriving.tenant)
         # An arrival under its class's share of the slots: the waiters ahead of classes with a
         # looser TTFT target, and of classes of its target over their share, leave the free
         # slots to it (reserve.py).
@@ -882,7 +1080,7 @@ class AdmissionController:
                                      "x-slogate-admission": reason})
 
     def _reject(self, ctx: Exchange, reason: str, retry_after_s: float,
-                detail: str = "") -> None:
+                detail: str = "") -> NoReturn:
         raise self._refusal(ctx, reason, retry_after_s, detail)
 
     def _shed(self, waiter: Waiter, reason: str, retry_after_s: float) -> None:
@@ -925,7 +1123,7 @@ class AdmissionController:
             # A drain waiting for global slots (a Redis round trip) would miss this change
             # until the next tick.
             self._woken = True
-        elif len(self.fair):
+        elif len(self.fair) or self.resuming:
             self._waking = True
             asyncio.get_running_loop().call_soon(self._start_drain)
 
@@ -933,7 +1131,7 @@ class AdmissionController:
         self._drain_task = asyncio.ensure_future(self._drain())  # kept: to cancel it on close
 
     def _arm_timer(self) -> None:
-        if self._timer is None and len(self.fair):
+        if self._timer is None and (len(self.fair) or self.resuming):
             self._timer = asyncio.get_running_loop().call_later(0.05, self._tick)
 
     def _tick(self) -> None:
@@ -953,6 +1151,7 @@ class AdmissionController:
             # shared state: the tickets of this pass whose global slots are being asked for
             deferred: list[tuple[Ticket, asyncio.Future[bool]]] = []
             granted: list[Waiter] = []
+            self._resume_next()
             for waiter in list(self.fair.order()):
                 if waiter.future.done() or not waiter.in_queue:
                     continue
@@ -966,7 +1165,7 @@ class AdmissionController:
                     continue
                 plan = plans.get(model)
                 if plan is None:
-                    plan = plans[model] = self._plan(loads)
+                    plan = plans[model] = self._plan(loads, model)
                 urgent = self._urgent(waiter) and self._may_pass(
                     waiter, blocked.get(model), loads)
                 if model not in blocked and not urgent and self._held_back(
@@ -997,14 +1196,20 @@ class AdmissionController:
                 wait_s = plan.take(waiter.out_tokens, waiter.tokens)
                 ahead = plan.prefilling_with(wait_s, self._overlap_s(loads, waiter.tokens))
                 waiter.eta_s = self.clock() / 1e9 + wait_s
-                try:
-                    self._check_feasible(ctx, loads, waiter.tokens, why,
-                                         ahead - waiter.tokens, wait_s)
-                except GatewayError as e:
-                    if not waiter.future.done():
-                        waiter.future.set_exception(e)
-                    self._take_out(waiter)
-                    continue
+                _, late = self._late(ctx, loads, waiter.tokens, ahead - waiter.tokens, wait_s)
+                if late is not None:
+                    ticket = self._preempt(ctx, loads, waiter.tokens, waiter.body_bytes, model,
+                                           waiter.out_tokens) if late.for_a_slot else None
+                    if ticket is not None:
+                        self._dispatch(waiter, ticket, "preempted")
+                        continue
+                    try:
+                        self._refuse_late(ctx, loads, waiter.tokens, wait_s, late)
+                    except GatewayError as e:
+                        if not waiter.future.done():
+                            waiter.future.set_exception(e)
+                        self._take_out(waiter)
+                        continue
                 blocked.setdefault(model, waiter.priority)
             for waiter, (ticket, slot) in zip(granted, deferred, strict=True):
                 try:
@@ -1022,10 +1227,10 @@ class AdmissionController:
                 self._woken = False
                 self.wake()
 
-    def _dispatch(self, waiter: Waiter, ticket: Ticket) -> None:
+    def _dispatch(self, waiter: Waiter, ticket: Ticket, reason: str = "after_queue") -> None:
         ticket.predicted_wait_s = waiter.predicted_wait_s
         ticket.predicted_total_s = waiter.predicted_total_s
-        self._decided(waiter.ctx, ADMITTED, "after_queue")
+        self._decided(waiter.ctx, ADMITTED, reason)
         self._take_out(waiter, dispatched=True)
         if waiter.future.done():  # cancelled meanwhile
             ticket.finish(waiter.ctx)

@@ -452,6 +452,8 @@ def _admission(table: Any) -> AdmissionConfig:
                                     d.adaptive_concurrency, "true or false"),
         adaptive_initial=count("adaptive_initial"), adaptive_min=count("adaptive_min"),
         adaptive_tolerance=_tolerance(table, d.adaptive_tolerance),
+        preemption=_typed("admission", table, "preemption", bool, d.preemption,
+                          "true or false"),
     )
 
 

@@ -139,6 +139,11 @@ class AdmissionConfig:
     adaptive_initial: int = 8  # the limit before anything was learned
     adaptive_min: int = 2
     adaptive_tolerance: float = 2.0  # short-term TTFT may be this x the long-term one
+    # An arrival of a class under its fair share whose turn at a slot comes too late may take
+    # the slot of a running stream of a class over its own (admission/preemption.py); that
+    # stream is continued when the next slot frees. Only streams a backend with
+    # `continuation = "prefill"` can continue are preempted.
+    preemption: bool = True
 
 
 @dataclass(frozen=True)

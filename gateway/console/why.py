@@ -55,8 +55,13 @@ def _slow(rec: dict[str, Any], adm: dict[str, Any]) -> list[str]:
     if stage:
         ms = (rec.get("ttft_stages_ms") or {}).get(stage)
         parts.append(f"largest stage {stage}" + (f" ({_ms(ms)})" if ms is not None else ""))
-    if len(rec.get("attempts") or ()) > 1:
-        parts.append(f"{len(rec['attempts'])} attempts")
+    attempts = rec.get("attempts") or ()
+    paused = sum(a.get("result") == "preempted" for a in attempts)
+    if paused:
+        parts.append("its stream paused " + ("once" if paused == 1 else f"{paused} times")
+                     + " to give its slot to a less served class (preempted), then continued")
+    if len(attempts) > 1:
+        parts.append(f"{len(attempts)} attempts")
     return parts
 
 

@@ -44,6 +44,7 @@ from gateway.errors import (
     NO_ANSWER,
     NOT_STREAMED,
     OK,
+    PREEMPTED,
     SHUTDOWN,
     TIMEOUT,
     TOTAL,
@@ -75,6 +76,7 @@ from gateway.request.hedge import (
     Hedging,
     Race,
 )
+from gateway.request.preempt import PreemptibleStream
 from gateway.request.relay import Relay, end_as_said, end_with_error
 from gateway.telemetry.tracing import CAPTURE_LIMIT
 from gateway.timeline import now_ns
@@ -166,7 +168,7 @@ class Proxy:
             overrides = self.classify(ex, request)
             await self.read(ex, request)
             watchdog = self.start_deadlines(ex, request, overrides)
-            await self.admit(ex)
+            await self.admit(ex, watchdog)
             return await self.forward(ex, request, watchdog, overrides)
         except GatewayError as e:
             ex.finish(e.outcome, e.code)
@@ -248,18 +250,22 @@ class Proxy:
             (self.retry.budget_s or 2 * timeouts.first_token_s) * 1e9)
         return watchdog
 
-    async def admit(self, ex: Exchange) -> None:
+    async def admit(self, ex: Exchange, watchdog: Watchdog) -> None:
         """Admission control: admit now, queue, or refuse (429 with Retry-After). Hands on
-        `ex.ticket` (the replica admission chose), or nothing when admission is off."""
+        `ex.ticket` (the replica admission chose), or nothing when admission is off. A stream
+        that could be continued is admission's to preempt (admission/preemption.py)."""
         if self.admission is None:
             ex.admission = ADMISSION_OFF  # counted in finish: nothing the send needs
             return
         api = self._api(ex)
-        ex.ticket = await self.admission.admit(
+        ticket = await self.admission.admit(
             ex, api.family, len(ex.body),
             api.prefix_key(ex.parsed, self.cfg.admission.prefix_bytes),
             self._model_chain(ex), ingress.max_output_tokens(ex.parsed))
-        ex.on_first_token = ex.ticket.first_token
+        if self.prefill_models and ex.stream and api.continues:
+            ticket.preemptible = PreemptibleStream(ex, watchdog, self._may_continue)
+        ex.ticket = ticket
+        ex.on_first_token = ticket.first_token
 
     async def forward(self, ex: Exchange, request: web.Request, watchdog: Watchdog,
                       overrides: DeadlineOverrides) -> web.StreamResponse:
@@ -295,6 +301,15 @@ class Proxy:
                 if result in (TOTAL, SHUTDOWN) or not self._may_continue(ex):
                     return await self._end_broken(ex, broken)
                 ex.continuing(result, self.tracing.end_attempt(ex, result))
+                if result == PREEMPTED:  # its slot went to another request: wait for one
+                    try:
+                        prefer = await self._resume(ex, watchdog)
+                    except asyncio.CancelledError:
+                        if watchdog.claim() is None:
+                            raise  # the client went away
+                        return await self._end_broken(ex, broken)
+                    except GatewayError:  # nothing left that could continue it
+                        return await self._end_broken(ex, broken)
                 continue
             assert failure is not None
             delay, prefer = self._next_try(ex, failure)
@@ -339,7 +354,9 @@ class Proxy:
         """May a broken stream be continued (once more)? Within max_continuations, by a
         backend that can continue a prefill, for the model served or its fallbacks, and for a
         request whose answer can be continued (one choice, text only so far)."""
-        if not self.prefill_models or len(ex.continued_from) >= self.retry.max_continuations:
+        # a continuation admission asked for (preemption) is not a failure's: not counted
+        if not self.prefill_models or (len(ex.continued_from) - ex.preempted
+                                       >= self.retry.max_continuations):
             return False
         api = self._api(ex)
         if not (api.continues and ex.stream and api.choices(ex.parsed) == 1):
@@ -349,6 +366,18 @@ class Proxy:
         served = ex.served_model or ex.model or ""
         return any(m in self.prefill_models
                    for m in (served, *self.cfg.fallbacks.get(ex.model or "", ())))
+
+    async def _resume(self, ex: Exchange, watchdog: Watchdog) -> Replica:
+        """A preempted stream waits for admission to give it a slot again (the next to free,
+        before any queued request), within the first-token deadline of its continuation.
+        Returns the replica the continuation goes to."""
+        assert self.admission is not None and ex.attempts
+        timeouts = ex.attempts[-1].timeouts
+        watchdog.attempt(timeouts.first_token_s, timeouts.idle_s, continuing=True)
+        ticket = await self.admission.resume(ex, self._api(ex).family, self._model_chain(ex))
+        ex.ticket = ticket
+        ex.on_first_token = ticket.first_token
+        return ticket.replica
 
     async def _end_broken(self, ex: Exchange, broken: StreamBroken) -> web.StreamResponse:
         """No continuation: the stream ends with the error event it would have had (the
@@ -413,7 +442,8 @@ class Proxy:
             raise
         except StreamBroken as e:  # committed, then cut or stalled: the proxy may continue it
             self._count(replica, e.result, continuing)
-            self._judge(attempt, not self._clients_own(e.result, attempt, overrides),
+            self._judge(attempt, e.result != PREEMPTED
+                        and not self._clients_own(e.result, attempt, overrides),
                         f"{e.result} after the first token ({e.reason})")
             attempt.close()
             raise

@@ -35,6 +35,7 @@ from gateway.errors import (
     GATEWAY_ERROR,
     IDLE,
     OK,
+    PREEMPTED,
     SHUTDOWN,
     TIMEOUT,
     UPSTREAM_ERROR,
@@ -307,7 +308,7 @@ class Splicer:
         if self.kept is not None and info.token:
             said = self.api.continuation_text(ev)
             if said is None:  # reasoning, a tool call: no prefill can carry it on
-                self.kept = None
+                self.kept = self.ex.streamed_text = None
             else:
                 self.kept.append(said[0])
                 if self.ex.response_id is None:  # a stream without an opening chunk
@@ -617,9 +618,10 @@ class Relay:
                 return await self._eof()
             if not ex.t_committed:
                 raise deadline_failure(reason) from None
-            outcome = GATEWAY_ERROR if reason == SHUTDOWN else TIMEOUT
-            return await self._end_with_error(reason, outcome,
-                                              f"The stream was ended: {reason}.")
+            outcome = GATEWAY_ERROR if reason in (SHUTDOWN, PREEMPTED) else TIMEOUT
+            return await self._end_with_error(reason, outcome, (
+                "The stream was paused for another request and could not go on in time."
+                if reason == PREEMPTED else f"The stream was ended: {reason}."))
         except UpstreamLost:
             ex.error_type = "upstream_connection_lost"
         except EventTooLarge as e:
@@ -687,7 +689,7 @@ def _count_as_received(ex: Exchange, tokens_before: int) -> None:
 
 
 # How a committed stream broke, by the reason it ended, where another backend may finish it.
-_BROKEN = {IDLE: ATTEMPT_STALLED, EVENT_TOO_LARGE: EVENT_TOO_LARGE}
+_BROKEN = {IDLE: ATTEMPT_STALLED, EVENT_TOO_LARGE: EVENT_TOO_LARGE, PREEMPTED: PREEMPTED}
 
 
 async def end_with_error(ex: Exchange, api: Api, reason: str, outcome: str, message: str,

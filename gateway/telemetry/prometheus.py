@@ -234,6 +234,11 @@ class Metrics:
                                  "Admission decisions by decision and reason.",
                                  ("model", "route", "slo_class", "decision", "reason"),
                                  registry=self.registry)
+        self.preemptions = Counter(
+            "slogate_admission_preemptions", "Running streams that gave their slot to an "
+            "arrival of a class less served than theirs (continued when the next slot "
+            "freed), by the arrival's class and the stream's.",
+            ("slo_class", "preempted_class"), registry=self.registry)
         self.queue_depth = Gauge("slogate_admission_queue_depth",
                                  "Requests waiting for admission, by SLO class.", ("slo_class",),
                                  registry=self.registry)

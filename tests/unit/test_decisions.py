@@ -111,6 +111,15 @@ def test_a_served_records_queue_wait_attempts_and_ttft_stages() -> None:
     assert "largest stage first_token_after_headers (340 ms)" in why and "2 attempts" in why
 
 
+def test_a_stream_that_was_preempted_says_it_paused() -> None:
+    rec = decision_record(served(verdict="tpot_missed"), None)
+    rec["attempts"] = [{"backend": "a", "result": "preempted", "ms": 300.0}]
+    assert "its stream paused once to give its slot to a less served class (preempted), " \
+        "then continued" in explain(rec)["why"]
+    rec["attempts"] *= 2
+    assert "paused 2 times" in explain(rec)["why"]
+
+
 def test_the_refusal_is_explained_from_its_candidates() -> None:
     row = explain(decision_record(refused(), None))
     assert row["why"] == ("refused: ttft_infeasible; best predicted TTFT 812 ms on a against a "
