@@ -48,7 +48,6 @@ from gateway.admission.preemption import (
     Running,
     may_pause,
     may_take,
-    slack_s,
 )
 from gateway.admission.quotas import (
     DEFAULT_OUTPUT_TOKENS,
@@ -742,8 +741,9 @@ class AdmissionController:
                  body_bytes: int, model: str, out_tokens: float) -> Ticket | None:
         """A slot now for a request whose turn comes too late, taken from a running stream
         (admission/preemption.py): of a class more served than its own, of its priority band
-        or a lower one, on a replica where it makes its TTFT; of those, the stream whose TPOT
-        slack covers its pause best. Its stream is cut and goes on later (resume)."""
+        or a lower one, on a replica where it makes its TTFT, whose TPOT slack covers its
+        pause; of those, the one with the fewest tokens to prefill again when it goes on
+        (resume)."""
         if not self.cfg.preemption:
             return None
         slo = ctx.target
@@ -793,9 +793,11 @@ class AdmissionController:
                 pause = next_free + est.predict_ttft(t.tokens + seen[1], load.decoding_now(),
                                                      0.0)
                 if may_pause(run, pause, budget):
-                    slack = slack_s(run) - pause
-                    if best is None or slack > best[0]:
-                        best = slack, pred, load, t
+                    # the cheapest to continue: the fewest tokens to prefill again (a long
+                    # prompt's prefill slows every stream of the batch)
+                    cost = t.tokens + seen[1]
+                    if best is None or cost < best[0]:
+                        best = cost, pred, load, t
         if best is None:
             return None
         _, pred, load, victim = best

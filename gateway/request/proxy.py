@@ -375,6 +375,7 @@ class Proxy:
         timeouts = ex.attempts[-1].timeouts
         watchdog.attempt(timeouts.first_token_s, timeouts.idle_s, continuing=True)
         ticket = await self.admission.resume(ex, self._api(ex).family, self._model_chain(ex))
+        ticket.preemptible = PreemptibleStream(ex, watchdog, self._may_continue)
         ex.ticket = ticket
         ex.on_first_token = ticket.first_token
         return ticket.replica
@@ -681,6 +682,9 @@ class Proxy:
                     del last  # held by this frame, it would make a cycle with its traceback
         replica, upstream_model = chosen
         ex.served_model = served
+        if continuing and ex.on_first_token is not None and ex.ticket is not None:
+            ticket = ex.ticket  # a preempted stream's new slot (admission's): its claim goes
+            # where the continuation does (one awaiting its first token moves with it)
         if ticket is not None:
             ticket.move(replica)
         attempt = Attempt(replica, upstream_model, overrides.apply(replica.cfg.timeouts),

@@ -22,6 +22,7 @@ from gateway.admission.preemption import (
     slack_s,
 )
 from gateway.config import AdmissionConfig, SLOClass, SLOTarget
+from gateway.errors import GatewayError
 from gateway.exchange import Exchange
 from gateway.telemetry.prometheus import Metrics
 from tests.support.fakeclock import FakeClock
@@ -122,11 +123,11 @@ class FakeRouter:
         return self.replicas
 
 
-def request(clock: FakeClock, name: str) -> Exchange:
+def request(clock: FakeClock, name: str, ttft_s: float = 60.0) -> Exchange:
     ctx = Exchange("/v1/chat/completions")
     ctx.t_received = clock()
     ctx.model = ctx.model_label = "m"
-    cls = SLOClass(name=name, ttft_ms=60_000.0, tpot_ms=1000.0)
+    cls = SLOClass(name=name, ttft_ms=ttft_s * 1e3, tpot_ms=1000.0)
     ctx.slo = SLOTarget(cls, cls.ttft_ms, cls.tpot_ms, None)
     return ctx
 
@@ -137,7 +138,7 @@ async def settle() -> None:
 
 
 async def test_a_preempted_stream_gets_the_next_free_slot_before_the_queue() -> None:
-    clock = FakeClock(100 * S)
+    clock = FakeClock()
     router: Any = FakeRouter()
     ctrl = AdmissionController(AdmissionConfig(enabled=True, adaptive_concurrency=False),
                                router, Metrics(), clock=clock)
@@ -165,4 +166,53 @@ async def test_a_preempted_stream_gets_the_next_free_slot_before_the_queue() -> 
     ticket.finish(victim_ctx)
     await settle()
     assert (await asyncio.wait_for(waiting, 1)).slo_class == "a"
+    await ctrl.close()
+
+
+class FakeStream:
+    """What the proxy's PreemptibleStream tells admission, and whether it was cut."""
+
+    def __init__(self, t_first: int, tokens: int) -> None:
+        self.t_first, self.tokens = t_first, tokens
+        self.cut = False
+
+    def streaming(self) -> tuple[int, int] | None:
+        return None if self.cut else (self.t_first, self.tokens)
+
+    def preempt(self) -> None:
+        self.cut = True
+
+
+async def test_the_arrival_takes_the_slot_of_the_stream_cheapest_to_continue() -> None:
+    clock = FakeClock()
+    router: Any = FakeRouter()
+    router.replicas[0].cfg.max_concurrency = 2
+    ctrl = AdmissionController(AdmissionConfig(enabled=True, adaptive_concurrency=False),
+                               router, Metrics(), clock=clock)
+    tickets, hooks = [], []
+    # a long prompt with the longer answer (the more slack), then a short one
+    for body, out in ((8000, 300), (400, 200)):
+        ticket = await ctrl.admit(request(clock, "a"), "openai", body, None, output_tokens=out)
+        ticket.first_token()
+        hooks.append(FakeStream(clock(), 20))
+        ticket.preemptible = hooks[-1]
+        tickets.append(ticket)
+    load = tickets[0].load
+    load.holds, load.hold_s = 10, 3.0  # how long a slot is held: learned
+    for _ in range(20):  # and the engine's speed: 20 ms a token
+        load.est.observe_tpot(2.0, 0.02)
+    clock.advance(0.5)
+    b = request(clock, "b", ttft_s=0.5)
+    ticket = await asyncio.wait_for(ctrl.admit(b, "openai", 400, None, output_tokens=300), 5)
+    assert b.admission == ("admitted", "preempted")
+    assert [h.cut for h in hooks] == [False, True]  # the short prompt's stream
+    assert [t.state for t in tickets] == ["decode", "preempted"]
+    assert ticket.load is load and load.in_flight == 2 and ticket.slo_class == "b"
+    ticket.first_token()
+    ticket.preemptible = FakeStream(clock(), 1)
+    # the flooding class's arrival takes nothing back from b: it is refused
+    with pytest.raises(GatewayError, match="ttft_infeasible"):
+        await asyncio.wait_for(ctrl.admit(request(clock, "a", ttft_s=0.5), "openai", 400,
+                                          None, output_tokens=10), 5)
+    assert not hooks[0].cut
     await ctrl.close()
