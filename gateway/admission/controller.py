@@ -787,15 +787,15 @@ class AdmissionController:
                 seen = hook.streaming()
                 if seen is None:
                     continue
-                run = Running((now - seen[0]) / 1e9, seen[1], t.out_tokens, t.tpot_target_s,
-                              tpot)
+                run = Running((now - seen.t_first_ns) / 1e9, seen.tokens, t.out_tokens,
+                              t.tpot_target_s, tpot, seen.max_pause_s)
                 next_free = next((r for r, other in releases if other is not t), math.inf)
-                pause = next_free + est.predict_ttft(t.tokens + seen[1], load.decoding_now(),
-                                                     0.0)
+                pause = next_free + est.predict_ttft(t.tokens + seen.tokens,
+                                                     load.decoding_now(), 0.0)
                 if may_pause(run, pause, budget):
                     # the cheapest to continue: the fewest tokens to prefill again (a long
                     # prompt's prefill slows every stream of the batch)
-                    cost = t.tokens + seen[1]
+                    cost = t.tokens + seen.tokens
                     if best is None or cost < best[0]:
                         best = cost, pred, load, t
         if best is None:

@@ -64,12 +64,20 @@ class ClassUsage:
         self.avg[cls] = self.count[cls] + keep * (self.avg[cls] - self.count[cls])
 
 
+@dataclass(frozen=True, slots=True)
+class Streaming:
+    """A stream that could be preempted now, as its proxy sees it."""
+    t_first_ns: int  # its first token's stamp (monotonic)
+    tokens: int  # output tokens streamed so far
+    max_pause_s: float  # the longest its deadlines let it wait for a slot again
+
+
 class Preemptible(Protocol):
     """A committed stream, as admission sees it (the proxy's request/preempt.py)."""
 
-    def streaming(self) -> tuple[int, int] | None:
-        """(its first token's stamp, monotonic ns; the output tokens streamed so far) while
-        it could be preempted now and continued; else None."""
+    def streaming(self) -> Streaming | None:
+        """What admission weighs it on while it could be preempted now and continued; else
+        None."""
 
     def preempt(self) -> None:
         """Cut its upstream attempt now: the proxy continues its answer once admission gives
@@ -107,6 +115,7 @@ class Running:
     out_tokens: float  # its output length as known (max_tokens) or expected
     tpot_target_s: float
     tpot_s: float  # predicted time per token where it runs
+    max_pause_s: float = math.inf  # what its deadlines allow (Streaming.max_pause_s)
 
 
 def slack_s(r: Running) -> float:
@@ -118,9 +127,9 @@ def slack_s(r: Running) -> float:
 
 def may_pause(r: Running, pause_s: float, needed_by_s: float) -> bool:
     """May this stream pause for `pause_s` so an arrival can start now? Not when it would end
-    within `needed_by_s` anyway (its slot frees in time for the arrival), nor when its slack
-    does not cover the pause by PAUSE_MARGIN."""
+    within `needed_by_s` anyway (its slot frees in time for the arrival), nor when its slack,
+    or what its deadlines allow, does not cover the pause by PAUSE_MARGIN."""
     left = max(0.0, r.out_tokens - r.tokens)
     if left * r.tpot_s <= needed_by_s:
         return False
-    return slack_s(r) >= PAUSE_MARGIN * pause_s
+    return min(slack_s(r), r.max_pause_s) >= PAUSE_MARGIN * pause_s

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gateway.admission.preemption import MAX_PREEMPTIONS
+from gateway.admission.preemption import MAX_PREEMPTIONS, Streaming
 from gateway.errors import PREEMPTED
 from gateway.exchange import Exchange
 from gateway.request.deadlines import Watchdog
+from gateway.timeline import now_ns
 
 
 class PreemptibleStream:
@@ -22,15 +23,19 @@ class PreemptibleStream:
         self.watchdog = watchdog
         self.may_continue = may_continue
 
-    def streaming(self) -> tuple[int, int] | None:
+    def streaming(self) -> Streaming | None:
         ex, watchdog = self.ex, self.watchdog
         if (not ex.t_first_token or not ex.t_committed or ex.outcome is not None or ex.done
-                or ex.streamed_text is None or ex.race is not None
+                or ex.streamed_text is None or ex.race is not None or ex.attempt is None
                 or ex.preempted >= MAX_PREEMPTIONS
                 or watchdog.fired is not None or watchdog.awaiting
                 or not self.may_continue(ex)):
             return None
-        return ex.t_first_token, ex.token_events
+        # its wait for a slot again runs against its continuation's first-token deadline
+        # (proxy._resume) and its total one
+        left_s = (watchdog.total_at - now_ns()) / 1e9
+        return Streaming(ex.t_first_token, ex.token_events,
+                         min(ex.attempt.timeouts.first_token_s, left_s))
 
     def preempt(self) -> None:
         self.ex.preempted += 1

@@ -18,6 +18,7 @@ from backends.sim import SimConfig, build_app as build_sim
 from gateway import config
 from gateway.ops.server import build_app
 from tests.support.servers import serve_app
+from tests.support.waiting import wait_until
 
 MSG = [{"role": "user", "content": "Tell me about rivers."}]
 LONG = 150  # tokens of each flooding stream: 10 ms a token, 1.5 s a stream
@@ -37,9 +38,9 @@ def gateway_config(sim_url: str, preemption: bool = True) -> config.Config:
 
 
 async def answer(base: str, cls: str, max_tokens: int,
-                 first: asyncio.Event | None = None) -> str:
+                 first: asyncio.Event | None = None, seen: list[float] | None = None) -> str:
     """The streamed answer's text, through the official SDK (`first` is set at its first
-    token)."""
+    token; `seen` gets the loop time of its latest token)."""
     client = AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
     text = ""
     try:
@@ -50,6 +51,8 @@ async def answer(base: str, cls: str, max_tokens: int,
                 text += ch.delta.content or ""
             if text and first is not None:
                 first.set()
+            if seen is not None:
+                seen[:] = [asyncio.get_running_loop().time()]
         return text
     finally:
         await client.close()
@@ -119,6 +122,56 @@ async def test_without_preemption_the_arrival_is_refused() -> None:
         assert len(flood) == 2 and flood[0] == flood[1]
         m = await metrics(base)
         assert not any(k.startswith("slogate_admission_preemptions_total") for k in m)
+
+
+async def test_a_client_that_leaves_while_its_stream_is_paused_frees_what_it_held(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "slogate.access")
+    sim = build_sim(SimConfig(max_batch=2, decode_base_ms=10.0, decode_per_seq_ms=0.0,
+                              prefill_tokens_per_s=1e9))
+    async with serve_app(sim) as sim_url, \
+            serve_app(build_app(gateway_config(sim_url))) as base:
+        for _ in range(6):
+            await answer(base, "a", 4)
+        started = [asyncio.Event(), asyncio.Event()]
+        seen: list[list[float]] = [[], []]
+        flood = [asyncio.create_task(answer(base, "a", LONG, e, t))
+                 for e, t in zip(started, seen, strict=True)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 10)
+        # b's answer is long too: the stream that gave it its slot waits ~1.5 s
+        b = asyncio.create_task(answer(base, "b", LONG))
+        key = 'slogate_admission_preemptions_total{preempted_class="a",slo_class="b"}'
+        await wait_until(lambda: metrics_has(base, key), 10, what="a preemption")
+        loop = asyncio.get_running_loop()
+
+        def paused_one() -> tuple[int] | None:
+            """The stream without a token for 200 ms (the others stream at 10 ms a token)."""
+            now = loop.time()
+            return next(((i,) for i, t in enumerate(seen) if now - t[0] > 0.2), None)
+
+        [paused] = await wait_until(paused_one, 5, what="a paused stream")
+        flood[paused].cancel()
+        other = flood[1 - paused]
+        assert len(await asyncio.wait_for(other, 20)) > 100
+        assert len(await asyncio.wait_for(b, 20)) > 100
+        # nothing left held: a new request goes at once, and nothing is in flight after it
+        assert await asyncio.wait_for(answer(base, "a", 4), 10)
+        await wait_until(lambda: metrics_value(base, "slogate_requests_in_flight", 0.0), 5,
+                         what="no request in flight")
+        m = await metrics(base)
+        assert m.get('slogate_continuations_total{backend="sim",result="ok"}', 0) == 0
+    left = [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "slogate.access"]
+    [gone] = [r for r in left if r.get("attempts")]
+    assert gone["outcome"] == "client_cancelled"
+    assert [a["result"] for a in gone["attempts"]] == ["preempted"]
+
+
+async def metrics_has(base: str, key: str) -> bool:
+    return key in await metrics(base)
+
+
+async def metrics_value(base: str, key: str, value: float) -> bool:
+    return (await metrics(base)).get(key) == value
 
 
 def test_the_preemption_switch_is_configurable() -> None:

@@ -17,6 +17,7 @@ from gateway.admission.preemption import (
     PAUSE_MARGIN,
     ClassUsage,
     Running,
+    Streaming,
     may_pause,
     may_take,
     slack_s,
@@ -98,6 +99,8 @@ def test_a_stream_pauses_only_when_its_slack_covers_the_pause_and_it_would_not_e
     assert not may_pause(r, slack / PAUSE_MARGIN + 0.01, needed_by_s=0.2)
     # its 76 tokens left end in 1.52 s: an arrival that can wait that long needs no slot
     assert not may_pause(r, 0.01, needed_by_s=1.6)
+    # nor when its first-token deadline would end the wait first
+    assert not may_pause(Running(0.5, 25, 101, 0.04, 0.02, max_pause_s=0.1), 0.1, 0.2)
     # past its expected length (max_tokens unknown, longer than the mean): nothing to gain
     assert not may_pause(Running(2.0, 120, 101, 0.04, 0.02), 0.01, needed_by_s=0.0)
 
@@ -176,8 +179,8 @@ class FakeStream:
         self.t_first, self.tokens = t_first, tokens
         self.cut = False
 
-    def streaming(self) -> tuple[int, int] | None:
-        return None if self.cut else (self.t_first, self.tokens)
+    def streaming(self) -> Streaming | None:
+        return None if self.cut else Streaming(self.t_first, self.tokens, 60.0)
 
     def preempt(self) -> None:
         self.cut = True
