@@ -620,7 +620,7 @@ class Relay:
                 raise deadline_failure(reason) from None
             outcome = GATEWAY_ERROR if reason in (SHUTDOWN, PREEMPTED) else TIMEOUT
             return await self._end_with_error(reason, outcome, (
-                "The stream was paused for another request and could not go on in time."
+                "The stream was paused for another request and could not be continued."
                 if reason == PREEMPTED else f"The stream was ended: {reason}."))
         except UpstreamLost:
             ex.error_type = "upstream_connection_lost"

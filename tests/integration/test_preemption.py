@@ -10,6 +10,7 @@ import asyncio
 import logging
 
 import aiohttp
+import openai
 import orjson
 import pytest
 from openai import AsyncOpenAI
@@ -164,6 +165,37 @@ async def test_a_client_that_leaves_while_its_stream_is_paused_frees_what_it_hel
     [gone] = [r for r in left if r.get("attempts")]
     assert gone["outcome"] == "client_cancelled"
     assert [a["result"] for a in gone["attempts"]] == ["preempted"]
+
+
+async def test_a_preempted_stream_whose_continuation_is_refused_ends_with_an_error_event(
+        ) -> None:
+    """A backend configured to continue that refuses to (an engine without
+    continue_final_message): the paused stream's client gets an error event in its format,
+    not a silent end, and the others are served."""
+    sim = build_sim(SimConfig(max_batch=2, decode_base_ms=10.0, decode_per_seq_ms=0.0,
+                              prefill_tokens_per_s=1e9, continuation=False))
+    async with serve_app(sim) as sim_url, \
+            serve_app(build_app(gateway_config(sim_url))) as base:
+        for _ in range(6):
+            await answer(base, "a", 4)
+        started = [asyncio.Event(), asyncio.Event()]
+
+        async def outcome(e: asyncio.Event) -> str | Exception:
+            try:
+                return await answer(base, "a", LONG, e)
+            except openai.APIError as err:
+                return err
+
+        flood = [asyncio.create_task(outcome(e)) for e in started]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 10)
+        assert len(await asyncio.wait_for(answer(base, "b", 8), 10)) > 0
+        done = await asyncio.wait_for(asyncio.gather(*flood), 20)
+        [failed] = [d for d in done if isinstance(d, Exception)]
+        assert "paused for another request and could not be continued" in str(failed)
+        assert [len(d) > 100 for d in done if isinstance(d, str)] == [True]
+        m = await metrics(base)
+        assert m['slogate_continuations_total{backend="sim",result="http_400"}'] >= 1
+        assert m['slogate_backend_breaker_state{backend="sim"}'] == 0
 
 
 async def metrics_has(base: str, key: str) -> bool:
