@@ -882,6 +882,12 @@ class AdmissionController:
         left_s = (waiter.deadline - self.clock()) / 1e9
         return bool(left_s < URGENT * slo.ttft_ms / 1e3)
 
+    def _slipping(self, waiter: Waiter, point_s: float) -> bool:
+        """Does a waiter whose turn is predicted in time have less than URGENT of its TTFT
+        budget to spare beyond its own prefill (`point_s`, if it started now)?"""
+        left_s = (waiter.deadline - self.clock()) / 1e9
+        return left_s - point_s < URGENT * waiter.ctx.target.ttft_ms / 1e3
+
     def _may_pass(self, waiter: Waiter, turn_priority: int | None,
                   loads: list[ReplicaLoad]) -> bool:
         """May a waiter near its deadline pass the turn-holder (of `turn_priority`), and a
@@ -1198,13 +1204,19 @@ class AdmissionController:
                 wait_s = plan.take(waiter.out_tokens, waiter.tokens)
                 ahead = plan.prefilling_with(wait_s, self._overlap_s(loads, waiter.tokens))
                 waiter.eta_s = self.clock() / 1e9 + wait_s
-                _, late = self._late(ctx, loads, waiter.tokens, ahead - waiter.tokens, wait_s)
-                if late is not None:
+                start, late = self._late(ctx, loads, waiter.tokens, ahead - waiter.tokens,
+                                         wait_s)
+                # Its turn comes too late, or is still to come with its deadline near (a
+                # stream that runs past its predicted end is predicted to end a token later,
+                # again and again): a running stream may give it its slot.
+                if (late.for_a_slot if late is not None
+                        else wait_s > 0 and self._slipping(waiter, start - wait_s)):
                     ticket = self._preempt(ctx, loads, waiter.tokens, waiter.body_bytes, model,
-                                           waiter.out_tokens) if late.for_a_slot else None
+                                           waiter.out_tokens)
                     if ticket is not None:
                         self._dispatch(waiter, ticket, "preempted")
                         continue
+                if late is not None:
                     try:
                         self._refuse_late(ctx, loads, waiter.tokens, wait_s, late)
                     except GatewayError as e:
