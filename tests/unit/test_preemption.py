@@ -219,3 +219,37 @@ async def test_the_arrival_takes_the_slot_of_the_stream_cheapest_to_continue() -
                                           None, output_tokens=10), 5)
     assert not hooks[0].cut
     await ctrl.close()
+
+
+async def test_a_waiter_whose_turn_keeps_slipping_preempts_before_its_deadline() -> None:
+    """A stream running past its predicted end is predicted to free its slot a token later,
+    again and again: the waiter counting on it takes a running stream's slot once less than
+    a quarter of its TTFT target is left beyond its own prefill, not after its deadline."""
+    clock = FakeClock()
+    router: Any = FakeRouter()
+    router.replicas[0].cfg.max_concurrency = 2
+    ctrl = AdmissionController(AdmissionConfig(enabled=True, adaptive_concurrency=False),
+                               router, Metrics(), clock=clock)
+    hooks = []
+    for out in (10, 300):  # one due to end (it overruns), one with far to go
+        ticket = await ctrl.admit(request(clock, "a"), "openai", 400, None, output_tokens=out)
+        ticket.first_token()
+        hooks.append(FakeStream(clock(), 5))
+        ticket.preemptible = hooks[-1]
+    load = ticket.load
+    load.holds, load.hold_s = 10, 3.0
+    for _ in range(20):
+        load.est.observe_tpot(2.0, 0.02)
+    clock.advance(1.0)  # the 10-token stream should have ended: it frees "a token from now"
+    b = request(clock, "b", ttft_s=0.5)
+    waiting = asyncio.create_task(ctrl.admit(b, "openai", 400, None, output_tokens=300))
+    await settle()
+    assert b.admission is not None and b.admission[0] == "queued" and not any(h.cut for h in hooks)
+    await ctrl._drain()
+    assert not waiting.done()  # 0.5 s to go: it may still come
+    clock.advance(0.35)
+    await ctrl._drain()
+    ticket = await asyncio.wait_for(waiting, 1)
+    assert b.admission == ("admitted", "preempted")
+    assert [h.cut for h in hooks] == [False, True]  # the one with far to go
+    await ctrl.close()
