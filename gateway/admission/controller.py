@@ -592,11 +592,7 @@ class AdmissionController:
             ticket, why_not = await self._try(ctx, loads, tokens, body_bytes, prefix, model,
                                               out_tokens=out_tokens)
         if ticket is not None:
-            self._decided(ctx, ADMITTED, "predicted_ok")
-            self.fair.admitted_directly(slo.name)
-            ticket.predicted_wait_s, ctx.predicted_wait_s = 0.0, 0.0
-            ticket.predicted_total_s = waited_s + ticket.predicted_ttft_s
-            return ticket
+            return self._admitted_now(ctx, ticket, "predicted_ok", waited_s)
         ticket = self._probe(ctx, loads, tokens, body_bytes, model)
         if ticket is not None:
             self._decided(ctx, ADMITTED, "probe")
@@ -616,11 +612,7 @@ class AdmissionController:
             if late.for_a_slot:  # a running stream may give it its slot (preemption.py)
                 ticket = self._preempt(ctx, loads, tokens, body_bytes, model, out_tokens)
                 if ticket is not None:
-                    self._decided(ctx, ADMITTED, "preempted")
-                    self.fair.admitted_directly(slo.name)
-                    ticket.predicted_wait_s, ctx.predicted_wait_s = 0.0, 0.0
-                    ticket.predicted_total_s = waited_s + ticket.predicted_ttft_s
-                    return ticket
+                    return self._admitted_now(ctx, ticket, "preempted", waited_s)
             self._refuse_late(ctx, loads, tokens, wait_s, late)
         waiter.predicted_total_s = waited_s + point
         if len(self.fair) >= self.cfg.max_queue or \
@@ -648,6 +640,15 @@ class AdmissionController:
             self._take_out(waiter)
             # the wait (telemetry/durations.py ADMISSION_WAIT) is recorded in finish
             ctx.t_queued, ctx.t_admitted = waiter.t_queued, self.clock()
+        return ticket
+
+    def _admitted_now(self, ctx: Exchange, ticket: Ticket, reason: str,
+                      waited_s: float) -> Ticket:
+        """An arrival admitted without queueing: it waits for nothing, as predicted."""
+        self._decided(ctx, ADMITTED, reason)
+        self.fair.admitted_directly(ctx.target.name)
+        ticket.predicted_wait_s, ctx.predicted_wait_s = 0.0, 0.0
+        ticket.predicted_total_s = waited_s + ticket.predicted_ttft_s
         return ticket
 
     async def _try(self, ctx: Exchange, loads: list[ReplicaLoad], tokens: float,
