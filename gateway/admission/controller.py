@@ -804,7 +804,11 @@ class AdmissionController:
         releases.sort(key=lambda rt: rt[0])
         best: tuple[float, float, ReplicaLoad, Ticket] | None = None
         for load in loads:
-            if not load.replica.available(ctx.tenant_label) or load.holds < MIN_HOLDS:
+            if (not load.replica.available(ctx.tenant_label) or load.holds < MIN_HOLDS
+                    # a request of ours above the level the engine serves unqueued waits in
+                    # its queue, and takes the slot a preempted stream frees (the taker
+                    # then waited 0.3-1 s for the next)
+                    or load.in_flight > load.served_slots() or load.engine_waiting > 0):
                 continue
             est = load.est
             decoding = max(0.0, load.decoding_now() - 1)  # the one it replaces stops

@@ -186,14 +186,16 @@ class FakeStream:
         self.cut = True
 
 
-async def test_the_arrival_takes_the_slot_of_the_stream_cheapest_to_continue() -> None:
-    clock = FakeClock()
+async def flooded(clock: FakeClock) -> tuple[AdmissionController, list[Ticket],
+                                           list[FakeStream]]:
+    """Both slots of a replica held by streams of class a, decoding: a long prompt with the
+    longer answer (the more slack), then a short one; how long a slot is held and the
+    engine's speed (20 ms a token) learned."""
     router: Any = FakeRouter()
     router.replicas[0].cfg.max_concurrency = 2
     ctrl = AdmissionController(AdmissionConfig(enabled=True, adaptive_concurrency=False),
                                router, Metrics(), clock=clock)
     tickets, hooks = [], []
-    # a long prompt with the longer answer (the more slack), then a short one
     for body, out in ((8000, 300), (400, 200)):
         ticket = await ctrl.admit(request(clock, "a"), "openai", body, None, output_tokens=out)
         ticket.first_token()
@@ -201,10 +203,17 @@ async def test_the_arrival_takes_the_slot_of_the_stream_cheapest_to_continue() -
         ticket.preemptible = hooks[-1]
         tickets.append(ticket)
     load = tickets[0].load
-    load.holds, load.hold_s = 10, 3.0  # how long a slot is held: learned
-    for _ in range(20):  # and the engine's speed: 20 ms a token
+    load.holds, load.hold_s = 10, 3.0
+    for _ in range(20):
         load.est.observe_tpot(2.0, 0.02)
     clock.advance(0.5)
+    return ctrl, tickets, hooks
+
+
+async def test_the_arrival_takes_the_slot_of_the_stream_cheapest_to_continue() -> None:
+    clock = FakeClock()
+    ctrl, tickets, hooks = await flooded(clock)
+    load = tickets[0].load
     b = request(clock, "b", ttft_s=0.5)
     ticket = await asyncio.wait_for(ctrl.admit(b, "openai", 400, None, output_tokens=300), 5)
     assert b.admission == ("admitted", "preempted")
@@ -218,6 +227,19 @@ async def test_the_arrival_takes_the_slot_of_the_stream_cheapest_to_continue() -
         await asyncio.wait_for(ctrl.admit(request(clock, "a", ttft_s=0.5), "openai", 400,
                                           None, output_tokens=10), 5)
     assert not hooks[0].cut
+    await ctrl.close()
+
+
+async def test_no_preemption_where_a_request_waits_in_the_engine_for_the_slot() -> None:
+    """A request queued in the engine (reported by its metrics, or sent above the level it
+    serves unqueued) would take the slot a preempted stream frees, not the arrival."""
+    clock = FakeClock()
+    ctrl, tickets, hooks = await flooded(clock)
+    tickets[0].load.engine_waiting = 1.0
+    with pytest.raises(GatewayError, match="ttft_infeasible"):
+        await asyncio.wait_for(ctrl.admit(request(clock, "b", ttft_s=0.5), "openai", 400,
+                                          None, output_tokens=300), 5)
+    assert not any(h.cut for h in hooks)
     await ctrl.close()
 
 
