@@ -81,12 +81,6 @@ from gateway.upstream.routing import Replica, Router, no_healthy_backend
 ADMITTED, QUEUED, REJECTED = "admitted", "queued", "rejected"
 TIE_BAND = 0.05  # predictions within 5 % of the best are equally good: pick one at random
 PROBE_INTERVAL_S = 1.0
-# A request refused only because the TTFT model predicts its own prefill too slow, with a slot
-# free: one per replica this often is sent anyway (_explore), if the model's prediction is
-# within EXPLORE_RATIO of its budget. A refused request teaches the model nothing: a per-token
-# cost learned several times too steep refused every long prompt for as long as it lasted.
-EXPLORE_INTERVAL_S = 5.0
-EXPLORE_RATIO = 4.0
 MIN_HOLDS = 5  # requests ended on a replica before its slot releases are predicted
 URGENT = 0.25  # a waiter in the last quarter of its TTFT budget may pass (_may_pass)
 
@@ -121,8 +115,7 @@ class ReplicaLoad:
 
     __slots__ = ("replica", "est", "prefill_tokens", "prefilling", "decoding", "tpot_targets",
                  "cap", "engine_waiting", "engine_running", "engine_kv_usage", "avg_tokens",
-                 "last_probe", "last_explore", "adaptive", "hold_s", "holds", "tickets",
-                 "by_class")
+                 "last_probe", "adaptive", "hold_s", "holds", "tickets", "by_class")
 
     def __init__(self, replica: Replica, est: ReplicaEstimator, cap: int,
                  adaptive: AdaptiveLimit | None = None) -> None:
@@ -143,7 +136,6 @@ class ReplicaLoad:
         self.engine_kv_usage: float | None = None
         self.avg_tokens = 500.0  # EWMA of admitted prompt tokens (for engine-reported queues)
         self.last_probe = 0.0
-        self.last_explore = -math.inf  # when _explore last sent a request here (s)
         self.tickets: set[Ticket] = set()  # this gateway's requests holding a slot here
         self.by_class: Counter[str] = Counter()  # ... by SLO class
 
@@ -621,10 +613,6 @@ class AdmissionController:
                 ticket = self._preempt(ctx, loads, tokens, body_bytes, model, out_tokens)
                 if ticket is not None:
                     return self._admitted_now(ctx, ticket, "preempted", waited_s)
-            else:  # the model says it misses even on a free slot: is the model right?
-                ticket = self._explore(ctx, loads, tokens, body_bytes, model, out_tokens)
-                if ticket is not None:
-                    return self._admitted_now(ctx, ticket, "explore", waited_s)
             self._refuse_late(ctx, loads, tokens, wait_s, late)
         waiter.predicted_total_s = waited_s + point
         if len(self.fair) >= self.cfg.max_queue or \
@@ -748,31 +736,6 @@ class AdmissionController:
                               est.predict_ttft(tokens, 0.0, tenant=ctx.tenant_label), False,
                               model or (ctx.model or ""), ctx.tenant_label,
                               slo_class=ctx.target.name, priority=ctx.target.cls.priority)
-        return None
-
-    def _explore(self, ctx: Exchange, loads: list[ReplicaLoad], tokens: float,
-                 body_bytes: int, model: str, out_tokens: float) -> Ticket | None:
-        """A request the TTFT model says misses its target even on a free slot, sent anyway
-        to a free slot the engine serves unqueued, at most once per EXPLORE_INTERVAL_S per
-        replica and only while the prediction is within EXPLORE_RATIO of its budget: what it
-        takes is what teaches the model (a refused request teaches nothing)."""
-        if self.shared is not None:
-            return None  # the global slot needs an await: not worth it for one request
-        now_s = self.clock() / 1e9
-        budget = ctx.target.ttft_ms / 1e3 - (self.clock() - ctx.t_received) / 1e9
-        for load in loads:
-            if (not load.replica.available(ctx.tenant_label) or load.holds < MIN_HOLDS
-                    or load.in_flight >= load.served_slots()
-                    or now_s - load.last_explore < EXPLORE_INTERVAL_S):
-                continue
-            pred = load.est.predict_ttft(self._ahead(load) + tokens, load.decoding_now(),
-                                         load.requests_ahead(), ctx.tenant_label)
-            if pred > EXPLORE_RATIO * budget:
-                continue
-            load.last_explore = now_s
-            return Ticket(self, load, tokens, body_bytes, ctx.target.cls.tpot_ms / 1e3, pred,
-                          False, model or (ctx.model or ""), ctx.tenant_label, out_tokens,
-                          ctx.target.name, ctx.target.cls.priority)
         return None
 
     def _preempt(self, ctx: Exchange, loads: list[ReplicaLoad], tokens: float,
