@@ -165,10 +165,14 @@ class ReplicaLoad:
                                      self.requests_ahead() + 1)
         return LoadView(round(ttft * 1e3, 1), self.engine_waiting, self.cap)
 
+    def remaining(self, now_ns: int, tpot_s: float) -> list[tuple[float, Ticket]]:
+        """Each stream in flight here, with the seconds until it frees its slot."""
+        return [(remaining_s((now_ns - t.t_start) / 1e9, t.predicted_ttft_s, t.out_tokens,
+                             tpot_s), t) for t in self.tickets]
+
     def _releases(self, now_ns: int, tpot_s: float) -> list[float]:
         """Seconds until each stream in flight here frees its slot, soonest first."""
-        return sorted(remaining_s((now_ns - t.t_start) / 1e9, t.predicted_ttft_s,
-                                  t.out_tokens, tpot_s) for t in self.tickets)
+        return sorted(r for r, _ in self.remaining(now_ns, tpot_s))
 
     def unproven(self) -> int:
         """Free slots above the level the engine has served unqueued (admission/limits.py):
@@ -754,17 +758,13 @@ class AdmissionController:
         share, _ = self._slot_shares(loads)
         if share.get(slo.name, 0.0) <= 0.0:
             return None
-        usage: dict[str, float] = {}
+        usage = {slo.name: self.usage.mean(slo.name, now / 1e9)}
         weight = {c: d.weight for c, d in self._demand.items()}
         # when each stream here frees its slot, predicted: the next one to free is where a
         # preempted stream goes on
-        releases: list[tuple[float, Ticket]] = []
-        for load in loads:
-            if load.holds >= MIN_HOLDS:
-                tpot = load.est.predict_tpot(max(1.0, float(load.limit())))
-                releases += [(remaining_s((now - t.t_start) / 1e9, t.predicted_ttft_s,
-                                          t.out_tokens, tpot), t) for t in load.tickets]
-        releases.sort(key=lambda rt: rt[0])
+        releases = sorted((rt for load in loads if load.holds >= MIN_HOLDS
+                           for rt in load.remaining(now, load.est.predict_tpot(
+                               max(1.0, float(load.limit()))))), key=lambda rt: rt[0])
         best: tuple[float, float, ReplicaLoad, Ticket] | None = None
         for load in loads:
             if (not load.replica.available(ctx.tenant_label) or load.holds < MIN_HOLDS
@@ -786,7 +786,6 @@ class AdmissionController:
                     continue
                 if t.slo_class not in usage:
                     usage[t.slo_class] = self.usage.mean(t.slo_class, now / 1e9)
-                usage.setdefault(slo.name, self.usage.mean(slo.name, now / 1e9))
                 if not may_take(slo.name, t.slo_class, share, weight, usage):
                     continue
                 seen = hook.streaming()
@@ -813,18 +812,17 @@ class AdmissionController:
         ticket = Ticket(self, load, tokens, body_bytes, slo.cls.tpot_ms / 1e3, pred,
                         shared_slot, model or (ctx.model or ""), ctx.tenant_label, out_tokens,
                         slo.name, slo.cls.priority)
-        self._held_since.pop(model, None)
-        self._used(slo.name)
+        self._held_since.pop(model, None)  # a slot was taken: a hold's bound starts anew
         self.metrics.child(self.metrics.preemptions, (slo.name, victim.slo_class)).inc()
         hook.preempt()
         return ticket
 
-    async def resume(self, ctx: Exchange, family: str, models: Sequence[str]) -> Ticket:
+    async def resume(self, ctx: Exchange, family: str) -> Ticket:
         """A slot again for a preempted stream's continuation: the next one to free on a
         replica that can continue it, before any queued request's turn (its client has its
         first token, and waits mid-answer). Its claim (and quota) moves to the new ticket.
-        Raises GatewayError when no replica of its models is available any more; waits
-        until its deadline otherwise (the caller's watchdog bounds it)."""
+        Raises GatewayError when no replica of its model that can continue is available any
+        more; waits until its deadline otherwise (the caller's watchdog bounds it)."""
         old = ctx.ticket
         assert isinstance(old, Ticket)
         slo = ctx.target

@@ -374,7 +374,7 @@ class Proxy:
         assert self.admission is not None and ex.attempts
         timeouts = ex.attempts[-1].timeouts
         watchdog.attempt(timeouts.first_token_s, timeouts.idle_s, continuing=True)
-        ticket = await self.admission.resume(ex, self._api(ex).family, self._model_chain(ex))
+        ticket = await self.admission.resume(ex, self._api(ex).family)
         ticket.preemptible = PreemptibleStream(ex, watchdog, self._may_continue)
         ex.ticket = ticket
         ex.on_first_token = ticket.first_token

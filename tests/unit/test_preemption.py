@@ -27,6 +27,7 @@ from gateway.errors import GatewayError
 from gateway.exchange import Exchange
 from gateway.telemetry.prometheus import Metrics
 from tests.support.fakeclock import FakeClock
+from tests.support.waiting import wait_until
 
 S = 1_000_000_000
 EQUAL = {"a": 1.0, "b": 1.0}
@@ -135,11 +136,6 @@ def request(clock: FakeClock, name: str, ttft_s: float = 60.0) -> Exchange:
     return ctx
 
 
-async def settle() -> None:
-    for _ in range(10):
-        await asyncio.sleep(0)
-
-
 async def test_a_preempted_stream_gets_the_next_free_slot_before_the_queue() -> None:
     clock = FakeClock()
     router: Any = FakeRouter()
@@ -153,21 +149,22 @@ async def test_a_preempted_stream_gets_the_next_free_slot_before_the_queue() -> 
     holder = Ticket(ctrl, victim.load, 100.0, 400, 1.0, 0.1, False, "m", slo_class="b")
     assert victim.load.in_flight == 1
     waiting = asyncio.create_task(ctrl.admit(queued_ctx, "openai", 400, None))
-    await settle()
-    assert queued_ctx.admission is not None and queued_ctx.admission[0] == "queued"
+    await wait_until(lambda: queued_ctx.admission, 1, what="the request queued")
+    assert queued_ctx.admission[0] == "queued"
     victim_ctx.token_events = 30
-    resumed = asyncio.create_task(ctrl.resume(victim_ctx, "openai", ["m"]))
-    await settle()
+    resumed = asyncio.create_task(ctrl.resume(victim_ctx, "openai"))
+    await wait_until(lambda: ctrl.resuming, 1, what="the stream waiting to go on")
+    await ctrl._drain()
     assert not resumed.done()  # the one slot is the holder's
     holder.finish(holder_ctx)
-    await settle()
+    await ctrl._drain()
     ticket = await asyncio.wait_for(resumed, 1)
     assert ticket.resumed and ticket.replica is router.replicas[0]
     assert ticket.tokens == victim.tokens + 30  # its prompt and its answer so far
     assert not waiting.done()  # the queued request waits for the next one
     assert victim.state == "done" and victim.reservation is None
     ticket.finish(victim_ctx)
-    await settle()
+    await ctrl._drain()
     assert (await asyncio.wait_for(waiting, 1)).slo_class == "a"
     await ctrl.close()
 
@@ -265,8 +262,8 @@ async def test_a_waiter_whose_turn_keeps_slipping_preempts_before_its_deadline()
     clock.advance(1.0)  # the 10-token stream should have ended: it frees "a token from now"
     b = request(clock, "b", ttft_s=0.5)
     waiting = asyncio.create_task(ctrl.admit(b, "openai", 400, None, output_tokens=300))
-    await settle()
-    assert b.admission is not None and b.admission[0] == "queued" and not any(h.cut for h in hooks)
+    await wait_until(lambda: b.admission, 1, what="the request queued")
+    assert b.admission[0] == "queued" and not any(h.cut for h in hooks)
     await ctrl._drain()
     assert not waiting.done()  # 0.5 s to go: it may still come
     clock.advance(0.35)
