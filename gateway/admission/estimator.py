@@ -169,16 +169,8 @@ class RLS:
 
 
 def _spread(residuals: Sequence[float]) -> float:
-    """The SPREAD_QUANTILE of the residuals' sizes, as a standard deviation; never the
-    largest one alone while there are RESID_MIN or more (the 90th percentile of 8 is their
-    largest: one first token that waited in the engine, 0.7 s late, made a tenant's spread
-    0.34 s, every one of its 280 ms requests was refused for its padding, and refused
-    requests teach nothing: it had no goodput for 50 s)."""
     sizes = sorted(abs(v) for v in residuals)
-    k = math.ceil(SPREAD_QUANTILE * len(sizes)) - 1
-    if len(sizes) >= RESID_MIN:
-        k = min(k, len(sizes) - 2)
-    return max(SPREAD_FLOOR_S, sizes[k] / SPREAD_SIGMAS)
+    return max(SPREAD_FLOOR_S, sizes[math.ceil(SPREAD_QUANTILE * len(sizes)) - 1] / SPREAD_SIGMAS)
 
 
 def _lower_median(values: Iterable[float]) -> float | None:

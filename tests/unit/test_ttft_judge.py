@@ -167,13 +167,3 @@ def test_a_cold_fits_errors_pad_nobody() -> None:
     for i in range(20):  # warm now: ordinary first tokens, a few ms apart
         est.observe_ttft(WORK, 4.0, 0.0, ttft(rng), "t", float(i))
     assert 0.0 < est.ttft_spread_s("t") < 0.02
-
-
-def test_one_late_first_token_among_a_tenants_first_residuals_does_not_set_its_spread() -> None:
-    """The 90th percentile of eight residuals is their largest: one first token that waited in
-    the engine must not pad every request of its tenant past a tight target (refused, they
-    would never teach it otherwise)."""
-    from gateway.admission.estimator import RESID_MIN, _spread
-
-    assert _spread([0.01] * (RESID_MIN - 1) + [0.7]) < 0.01
-    assert _spread([0.01] * (RESID_MIN - 2) + [0.7, 0.7]) > 0.4  # two are the tenant's own
